@@ -1,0 +1,355 @@
+"""The chat service: one request in, one generation's events out, whatever the transport.
+
+`start()` checks what can only be checked against state (ownership, a
+generation already running, the model configured), then runs the generation
+as its own task and returns its handle. `relay()` feeds one client's
+`Emitter` from the generation's log; `dispatch()` is the two in a row.
+A generation survives its clients: only `cancel()` (from any process) or the
+deadline stops it, and it always saves what it has and ends with exactly one
+terminal event (`messageEnd` or `error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from ..config import Settings
+from ..errors import AppError, BadRequest, ConfigError, Forbidden, NotFound, StreamError
+from ..ids import Snowflake
+from ..llm import LLMClient, Message
+from ..prompts import Prompts
+from ..protocol import ChatRequest, parse_event_id
+from ..store import Chat, Store, StoredMessage
+from ..streams import Handle, StreamHub
+from ..transport.emitter import Emitter, RecordingEmitter
+from .modes import MODES, PLAIN_PROMPT
+
+log = logging.getLogger("app.chat")
+
+REWRITE_MIN_CHARS = 30
+HISTORY_MESSAGES = 20
+TITLE_MAX_CHARS = 80
+
+
+class ChatService:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: Store,
+        hub: StreamHub,
+        llm: LLMClient,
+        prompts: Prompts,
+        ids: Snowflake,
+        search: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.hub = hub
+        self.llm = llm
+        self.prompts = prompts
+        self.ids = ids
+        self.search = search
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._generations: dict[str, asyncio.Task[None]] = {}
+        self.accepting = True
+
+    # -- the public operations --------------------------------------------------
+
+    async def dispatch(self, request: ChatRequest, emitter: Emitter) -> Handle:
+        """Start a generation for `request` and relay it to `emitter` until it ends."""
+        handle = await self.start(request)
+        await self.relay(handle, emitter)
+        return handle
+
+    async def start(self, request: ChatRequest) -> Handle:
+        """Begin a generation; returns once it runs. Raises `AppError` (nothing started)."""
+        if not self.accepting:
+            raise AppError("the server is shutting down", status=503)
+        if not self.llm.configured:
+            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
+        chat_id = request.chat_id or self.ids.next_str()
+        question_id = request.message_id or self.ids.next_str()
+        chat = await self.store.get_chat(chat_id) if request.chat_id else None
+        if chat is not None and chat.user_id != request.user_id:
+            raise Forbidden("this chat belongs to another user")
+        if request.message_id and await self.store.get_message(question_id):
+            raise BadRequest("message.messageId is already used")
+        handle = Handle(
+            chat_id=chat_id,
+            answer_id=self.ids.next_str(),
+            question_id=question_id,
+            user_id=request.user_id,
+            question=request.content,
+            process=self.hub.process,
+        )
+        generation = Generation(self, request, handle, chat)
+        log_ = await self.hub.register(handle, generation.request_cancel)
+        generation.out = RecordingEmitter(log_)
+        task = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
+        generation.task = task
+        self._generations[handle.answer_id] = task
+        task.add_done_callback(lambda _: self._generations.pop(handle.answer_id, None))
+        return handle
+
+    async def relay(self, handle: Handle, emitter: Emitter, after_seq: int = 0) -> None:
+        """Feed `emitter` the generation's events after `after_seq`, until its end.
+
+        Raises what the emitter raises when its client goes; cancelling is safe
+        (the generation is not affected).
+        """
+        await emitter.open(handle)
+        async for batch in self.hub.subscribe(handle, after_seq):
+            await emitter.emit(batch)
+
+    async def find_resumable(
+        self, chat_id: str | None, user_id: str | None, last_event_id: str | None
+    ) -> tuple[Handle, int]:
+        """The generation to resume and the seq to resume after. NotFound / Forbidden."""
+        answer_id, seq = parse_event_id(last_event_id)
+        if answer_id is not None:
+            handle = await self.hub.find(answer_id)
+            if handle is not None and chat_id is not None and handle.chat_id != chat_id:
+                handle = None
+        elif chat_id is not None:
+            handle = await self.hub.latest(chat_id)
+        else:
+            raise BadRequest("resume needs chatId or Last-Event-ID")
+        if handle is None:
+            raise NotFound("no generation to resume for this chat (finished and expired, or never started)")
+        if user_id is not None and handle.user_id != user_id:
+            raise Forbidden("this chat belongs to another user")
+        return handle, seq
+
+    async def cancel(self, chat_id: str, user_id: str | None) -> Handle:
+        """Stop the generation running for `chat_id`, wherever it runs."""
+        handle = await self.hub.lookup(chat_id)
+        if handle is None:
+            raise NotFound("nothing is being generated for this chat")
+        if user_id is not None and handle.user_id != user_id:
+            raise Forbidden("this chat belongs to another user")
+        await self.hub.cancel(handle)
+        return handle
+
+    async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
+        """3 to 5 follow-up questions for a conversation (small model)."""
+        if not self.llm.configured:
+            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
+        prompt = self.prompts.render("suggestions", history=format_history(history[-HISTORY_MESSAGES:]))
+        text = await self.llm.complete([{"role": "user", "content": prompt}])
+        lines = [_clean_line(line) for line in text.splitlines()]
+        return [line for line in lines if line][:5]
+
+    async def stored_history(self, chat_id: str) -> list[tuple[str, str]]:
+        messages = await self.store.list_messages(chat_id)
+        pairs = [
+            (m.role, m.content)
+            for m in messages
+            if m.content and (m.role == "user" or m.status in ("completed", "cancelled"))
+        ]
+        return pairs[-HISTORY_MESSAGES:]
+
+    def running(self) -> int:
+        return len(self._generations)
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        """Stop accepting; let generations finish for `grace` seconds, then cancel the
+        rest (each saves its partial answer as `cancelled`)."""
+        self.accepting = False
+        tasks = list(self._generations.values())
+        if tasks and grace > 0:
+            await asyncio.wait(tasks, timeout=grace)
+        for task in self._generations.values():
+            task.cancel()
+        if self._generations:
+            await asyncio.wait(list(self._generations.values()), timeout=10)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+
+    # -- helpers ------------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run a background chore (title) owned by the service; its errors are logged."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._chore_done)
+        return task
+
+    def _chore_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task failed: %r", task.exception())
+
+    async def make_title(self, chat_id: str, question: str) -> None:
+        prompt = self.prompts.render("title", question=question)
+        try:
+            title = await self.llm.complete([{"role": "user", "content": prompt}], max_tokens=30)
+        except AppError as exc:
+            log.info("title for chat %s not made: %s", chat_id, exc.message)
+            return
+        title = _clean_line(title.splitlines()[0] if title else "").strip("\"'“”")
+        if title:
+            await self.store.set_title(chat_id, title[:TITLE_MAX_CHARS])
+
+    async def rewrite(self, question: str, history: Sequence[tuple[str, str]]) -> str | None:
+        """The standalone form of `question`, or None when it needs none (or the model failed)."""
+        prompt = self.prompts.render(
+            "rewrite_question", history=format_history(history) or "(none)", question=question
+        )
+        try:
+            text = await self.llm.complete([{"role": "user", "content": prompt}], max_tokens=200)
+        except AppError as exc:
+            log.info("rewrite skipped: %s", exc.message)
+            return None
+        text = text.strip().strip("\"'“”").strip()
+        if not text or text.lower().strip(" .") == "not_needed" or text == question:
+            return None
+        return text
+
+
+class Generation:
+    """One answer being generated: runs as its own task, owned by the service."""
+
+    def __init__(self, service: ChatService, request: ChatRequest, handle: Handle, chat: Chat | None) -> None:
+        self.service = service
+        self.request = request
+        self.handle = handle
+        self.chat = chat
+        self.out: RecordingEmitter
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_requested = False
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.answer_saved = False
+
+    def request_cancel(self) -> None:
+        """Called by the hub when a cancel arrives; safe to call more than once."""
+        if self.cancel_requested or self.task is None or self.task.done():
+            return
+        self.cancel_requested = True
+        self.task.cancel()
+
+    async def run(self) -> None:
+        status, error = "failed", None
+        external_cancel = False
+        try:
+            async with asyncio.timeout(self.service.settings.llm.timeout_seconds):
+                await self._generate()
+            status = "completed"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.cancel_requested and task is not None:
+                task.uncancel()
+            else:
+                external_cancel = True  # shutdown: finish cleanly, then let it propagate
+            status = "cancelled"
+        except TimeoutError:
+            error = StreamError("the model did not finish within llm.timeout_seconds")
+        except AppError as exc:
+            error = exc
+        except Exception as exc:  # a bug: still end the stream and save
+            log.exception("generation %s failed", self.handle.answer_id)
+            error = AppError(f"internal error: {type(exc).__name__}")
+        await asyncio.shield(self._finish(status, error))
+        if external_cancel:
+            raise asyncio.CancelledError
+
+    async def _generate(self) -> None:
+        svc, req, h = self.service, self.request, self.handle
+        if self.chat is None:
+            title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
+            chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
+            if await svc.store.create_chat(chat):
+                svc.spawn(svc.make_title(h.chat_id, req.content))
+        history = list(req.history) if req.history is not None else await svc.stored_history(h.chat_id)
+
+        rewritten = None
+        if len(req.content) > REWRITE_MIN_CHARS or history:
+            rewritten = await svc.rewrite(req.content, history)
+            if rewritten:
+                self.out.emit("rewrited", content=rewritten)
+
+        now = time.time()
+        await svc.store.add_message(
+            StoredMessage(h.question_id, h.chat_id, "user", req.content, now, rewritten=rewritten)
+        )
+        await svc.store.add_message(
+            StoredMessage(h.answer_id, h.chat_id, "assistant", "", now, status="streaming", reply_to=h.question_id)
+        )
+        self.answer_saved = True
+
+        mode = MODES[req.focus_mode]
+        system = await self._system_prompt(mode, rewritten or req.content)
+        messages: list[Message] = [{"role": "system", "content": system}]
+        messages.extend({"role": role, "content": text} for role, text in history)
+        messages.append({"role": "user", "content": req.content})
+
+        emit, content, reasoning = self.out.emit, self.content, self.reasoning
+        emit("message", data="")
+        async for delta in svc.llm.stream(messages):
+            kind = delta.kind
+            if kind == "content":
+                content.append(delta.text)
+                emit("message", data=delta.text)
+            elif kind == "reasoning":
+                reasoning.append(delta.text)
+                emit("reasoning", data=delta.text)
+            else:
+                self.out.keepalive()
+
+    async def _system_prompt(self, mode: Any, question: str) -> str:
+        svc, req = self.service, self.request
+        date = datetime.now(UTC).isoformat(timespec="seconds")
+        if mode.searches and req.copilot_enabled:
+            if svc.search is None:
+                self.out.emit("progress", data="web search is not available; answering without sources")
+                return svc.prompts.render(PLAIN_PROMPT, date=date)
+            return await svc.search.system_prompt(self, question, date)
+        if mode.searches:  # webSearch with copilot off: the model alone
+            return svc.prompts.render(PLAIN_PROMPT, date=date)
+        return svc.prompts.render(mode.prompt, date=date)
+
+    async def _finish(self, status: str, error: AppError | None) -> None:
+        svc, h = self.service, self.handle
+        try:
+            if self.answer_saved:
+                await svc.store.finish_message(
+                    h.answer_id,
+                    content="".join(self.content),
+                    reasoning="".join(self.reasoning),
+                    status=status if error is None else "failed",
+                )
+        except Exception:
+            log.exception("saving answer %s failed", h.answer_id)
+            if error is None:
+                error = AppError("the answer could not be saved")
+        try:
+            if error is not None:
+                self.out.emit("error", key=error.key, data=error.message)
+            else:
+                self.out.emit("messageEnd", status=status, questionMessageId=h.question_id)
+        finally:
+            await svc.hub.unregister(h)
+
+
+def format_history(history: Sequence[tuple[str, str]]) -> str:
+    return "\n".join(f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history)
+
+
+def _clean_line(line: str) -> str:
+    line = line.strip()
+    for prefix in ("- ", "* ", "• "):
+        if line.startswith(prefix):
+            line = line[len(prefix):]
+    head, dot, rest = line.partition(". ")
+    if dot and head.isdigit():
+        line = rest
+    return line.strip()
+

@@ -1,0 +1,249 @@
+"""Settings: `config.toml` at the repository root, overridden by the environment.
+
+Every key `[section] key` is overridden by the environment variable
+`SECTION_KEY` (capitals); `PORT` overrides `server.port` and `APP_CONFIG`
+names another file. The result is one frozen `Settings` built once at start
+and passed down; no other module reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    keepalive_seconds: float = 15.0
+    cors_origins: tuple[str, ...] = ("*",)
+    public_url: str = ""
+    shutdown_grace_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class LLMSettings:
+    base_url: str = "https://api.deepseek.com/v1"
+    api_key: str = ""
+    model: str = "deepseek-reasoner"
+    small_model: str = ""
+    timeout_seconds: float = 600.0
+    connect_timeout_seconds: float = 10.0
+
+    @property
+    def effective_small_model(self) -> str:
+        return self.small_model or self.model
+
+
+@dataclass(frozen=True)
+class EmbeddingsSettings:
+    base_url: str = ""
+    api_key: str = ""
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    provider: str = "tavily"
+    max_results: int = 8
+    timeout_seconds: float = 20.0
+
+
+@dataclass(frozen=True)
+class TavilySettings:
+    api_key: str = ""
+    base_url: str = "https://api.tavily.com"
+
+
+@dataclass(frozen=True)
+class SearxngSettings:
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class GoogleSettings:
+    api_key: str = ""
+    cse_id: str = ""
+    base_url: str = "https://www.googleapis.com"
+
+
+@dataclass(frozen=True)
+class ReaderSettings:
+    provider: str = "jina"
+    base_url: str = "https://r.jina.ai"
+    api_key: str = ""
+    timeout_seconds: float = 15.0
+    allow_private_networks: bool = False
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    url: str = "sqlite:///data/chat.db"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = ""
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    replay_ttl_seconds: float = 300.0
+    max_queue_events: int = 1024
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    max_body_bytes: int = 1_048_576
+    max_content_chars: int = 32_000
+    requests_per_minute: int = 0
+    max_history_messages: int = 200
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    llm: LLMSettings = field(default_factory=LLMSettings)
+    embeddings: EmbeddingsSettings = field(default_factory=EmbeddingsSettings)
+    search: SearchSettings = field(default_factory=SearchSettings)
+    tavily: TavilySettings = field(default_factory=TavilySettings)
+    searxng: SearxngSettings = field(default_factory=SearxngSettings)
+    google: GoogleSettings = field(default_factory=GoogleSettings)
+    reader: ReaderSettings = field(default_factory=ReaderSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    stream: StreamSettings = field(default_factory=StreamSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+
+    def replace(self, **sections: Mapping[str, Any]) -> Settings:
+        """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""
+        changed = {
+            name: dataclasses.replace(getattr(self, name), **values)
+            for name, values in sections.items()
+        }
+        return dataclasses.replace(self, **changed)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used (raised at start, not per request)."""
+
+
+def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings from a TOML file and environment overrides.
+
+    `path` defaults to `$APP_CONFIG`, else `config.toml` at the repository root;
+    a missing default file means "all defaults". Raises `ConfigError` for a
+    value of the wrong type or an unknown section/key in the file.
+    """
+    env = os.environ if env is None else env
+    explicit = path if path is not None else env.get("APP_CONFIG")
+    file = Path(explicit) if explicit else ROOT / "config.toml"
+    data: dict[str, Any] = {}
+    if file.exists():
+        with file.open("rb") as fh:
+            data = tomllib.load(fh)
+    elif explicit:
+        raise ConfigError(f"config file not found: {file}")
+
+    sections: dict[str, Any] = {}
+    for name, cls in typing.get_type_hints(Settings).items():
+        raw = data.get(name, {})
+        if not isinstance(raw, dict):
+            raise ConfigError(f"[{name}] must be a table")
+        kinds = typing.get_type_hints(cls)
+        unknown = set(raw) - set(kinds)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for key, kind in kinds.items():
+            env_name = f"{name}_{key}".upper()
+            if env_name in env:
+                values[key] = _from_env(env[env_name], kind, env_name)
+            elif key in raw:
+                values[key] = _coerce(raw[key], kind, f"{name}.{key}")
+        if name == "server" and "PORT" in env:
+            values["port"] = _from_env(env["PORT"], int, "PORT")
+        sections[name] = cls(**values)
+    return _derive(Settings(**sections))
+
+
+def _derive(settings: Settings) -> Settings:
+    """Fill the keys whose default is another key (embeddings from llm)."""
+    emb = settings.embeddings
+    return settings.replace(
+        embeddings={
+            "base_url": emb.base_url or settings.llm.base_url,
+            "api_key": emb.api_key or settings.llm.api_key,
+        }
+    )
+
+
+def _coerce(value: Any, kind: Any, where: str) -> Any:
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    else:
+        if isinstance(value, dict) and all(isinstance(v, (str, int)) for v in value.values()):
+            return types.MappingProxyType({str(k): str(v) for k, v in value.items()})
+    raise ConfigError(f"{where}: expected {kind}, got {value!r}")
+
+
+def _from_env(text: str, kind: Any, name: str) -> Any:
+    origin = typing.get_origin(kind)
+    try:
+        if kind is bool:
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(text)
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+        if origin is tuple:
+            return tuple(part.strip() for part in text.split(",") if part.strip())
+        # key:value,key:value (auth.api_keys)
+        pairs = {}
+        for item in text.split(","):
+            if not item.strip():
+                continue
+            key, sep, value = item.strip().rpartition(":")
+            if not sep or not key:
+                raise ValueError(item)
+            pairs[key] = value
+        return types.MappingProxyType(pairs)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: cannot use {text!r} as {kind}") from exc

@@ -1,0 +1,247 @@
+"""The one place that talks to the model (any OpenAI-compatible `/chat/completions`).
+
+Streaming reads the raw SSE lines of the response through the `openai` SDK's
+`with_streaming_response` and decodes each `data:` line with orjson; the
+SDK's parsed stream costs several times more CPU per chunk, and the per-token
+path decides how many streams a core can carry.
+
+Errors: `ModelError` (CHAT_ERROR) when the model cannot be reached,
+`StreamError` (STREAM_ERROR) when it answers non-2xx or the stream breaks or
+carries a malformed chunk, `ConfigError` when no model is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import orjson
+
+from .config import LLMSettings
+from .errors import ConfigError, ModelError, StreamError
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A piece of the model's answer: `reasoning`, `content` or `keepalive`."""
+
+    kind: str
+    text: str = ""
+
+
+KEEPALIVE = Delta("keepalive")
+
+
+class LLMClient:
+    """Streams and completes chat requests; one instance per app, closed with `aclose()`."""
+
+    def __init__(self, settings: LLMSettings) -> None:
+        self.settings = settings
+        self._client: openai.AsyncOpenAI | None = None
+        if settings.api_key:
+            self._client = openai.AsyncOpenAI(
+                base_url=settings.base_url,
+                api_key=settings.api_key,
+                max_retries=0,
+                timeout=openai.Timeout(
+                    settings.timeout_seconds, connect=settings.connect_timeout_seconds
+                ),
+            )
+
+    @property
+    def configured(self) -> bool:
+        return self._client is not None
+
+    def _require(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)")
+        return self._client
+
+    async def stream(
+        self, messages: Sequence[Message], *, model: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """Yield the answer's deltas as they arrive.
+
+        Closing the iterator (or cancelling the task that reads it) closes the
+        upstream HTTP response, which is how a cancel stops the spend.
+        `<think>…</think>` inside `content` is split out into reasoning.
+        """
+        client = self._require()
+        splitter = ThinkSplitter()
+        try:
+            async with client.chat.completions.with_streaming_response.create(
+                model=model or self.settings.model,
+                messages=list(messages),  # type: ignore[arg-type]
+                stream=True,
+            ) as response:
+                async for line in response.http_response.aiter_lines():
+                    if not line:
+                        continue
+                    if line[0] == ":":
+                        if "keep-alive" in line:
+                            yield KEEPALIVE
+                        continue
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    for delta in _decode_chunk(payload, splitter):
+                        yield delta
+        except openai.APIStatusError as exc:
+            raise StreamError(_status_message(exc)) from exc
+        except openai.APITimeoutError as exc:
+            raise ModelError(f"the model did not answer in time: {exc}") from exc
+        except openai.APIConnectionError as exc:
+            raise ModelError(f"cannot reach the model: {_cause(exc)}") from exc
+        except (openai.OpenAIError, OSError) as exc:
+            raise StreamError(f"the model stream broke: {exc}") from exc
+        except Exception as exc:
+            if _is_transport_error(exc):
+                raise StreamError(f"the model stream broke: {exc!r}") from exc
+            raise
+        for delta in splitter.flush():
+            yield delta
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+    ) -> str:
+        """One non-streaming completion (rewrite, title, ranking, suggestions)."""
+        client = self._require()
+        try:
+            async with asyncio.timeout(timeout):
+                response = await client.chat.completions.with_raw_response.create(
+                    model=model or self.settings.effective_small_model,
+                    messages=list(messages),  # type: ignore[arg-type]
+                    **({"max_tokens": max_tokens} if max_tokens else {}),
+                )
+                body = orjson.loads(await response.http_response.aread())
+        except TimeoutError as exc:
+            raise ModelError("the model did not answer in time") from exc
+        except openai.APIStatusError as exc:
+            raise StreamError(_status_message(exc)) from exc
+        except openai.APIConnectionError as exc:
+            raise ModelError(f"cannot reach the model: {_cause(exc)}") from exc
+        except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
+            raise StreamError(f"the model answered badly: {exc}") from exc
+        try:
+            message = body["choices"][0]["message"]
+            text = message.get("content") or ""
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise StreamError("the model's answer has no choices[0].message") from exc
+        return strip_think(text).strip()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def _decode_chunk(payload: str, splitter: ThinkSplitter) -> list[Delta]:
+    try:
+        chunk = orjson.loads(payload)
+        choices = chunk.get("choices")
+        if "error" in chunk and not choices:
+            error = chunk["error"]
+            detail = error.get("message") if isinstance(error, dict) else error
+            raise StreamError(f"the model reported an error mid-stream: {detail}")
+        if not choices:
+            return []
+        delta = choices[0].get("delta") or {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        content = delta.get("content")
+    except StreamError:
+        raise
+    except (orjson.JSONDecodeError, AttributeError, TypeError, IndexError) as exc:
+        raise StreamError(f"the model sent a malformed chunk: {payload[:200]!r}") from exc
+    out: list[Delta] = []
+    if reasoning:
+        out.append(Delta("reasoning", reasoning))
+    if content:
+        out.extend(splitter.feed(content))
+    return out
+
+
+def _status_message(exc: openai.APIStatusError) -> str:
+    body: Any = exc.body
+    detail = None
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        detail = error.get("message") if isinstance(error, dict) else error
+    return f"the model answered {exc.status_code}: {detail or exc.message}"
+
+
+def _cause(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc.__context__
+    return str(cause or exc) or type(cause or exc).__name__
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    # the SDK's HTTP layer raises its own transport errors (RemoteProtocolError,
+    # ReadError, ...) while a streamed body is read; they all end in "Error" and
+    # live in the transport package, which we do not import by name
+    module = type(exc).__module__ or ""
+    return module.startswith(("httpx", "httpcore", "h11", "anyio"))
+
+
+class ThinkSplitter:
+    """Splits `<think>…</think>` out of content chunks, tags cut across chunks included."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._pending = ""
+
+    def feed(self, text: str) -> list[Delta]:
+        if not self._pending and "<" not in text:  # the common case: nothing to look at
+            return [Delta("reasoning" if self.inside else "content", text)]
+        text = self._pending + text
+        self._pending = ""
+        out: list[Delta] = []
+        while text:
+            tag = self.CLOSE if self.inside else self.OPEN
+            index = text.find(tag)
+            if index >= 0:
+                if index:
+                    out.append(Delta("reasoning" if self.inside else "content", text[:index]))
+                self.inside = not self.inside
+                text = text[index + len(tag):]
+                continue
+            keep = _partial_suffix(text, tag)
+            if keep:
+                self._pending = text[-keep:]
+                text = text[:-keep]
+            if text:
+                out.append(Delta("reasoning" if self.inside else "content", text))
+            break
+        return out
+
+    def flush(self) -> list[Delta]:
+        pending, self._pending = self._pending, ""
+        return [Delta("reasoning" if self.inside else "content", pending)] if pending else []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`."""
+    start = text.rfind("<", max(0, len(text) - len(tag) + 1))
+    if start < 0:
+        return 0
+    tail = text[start:]
+    return len(tail) if tag.startswith(tail) else 0
+
+
+def strip_think(text: str) -> str:
+    """A whole completion without its `<think>` part (for small-model answers)."""
+    splitter = ThinkSplitter()
+    parts = splitter.feed(text) + splitter.flush()
+    return "".join(d.text for d in parts if d.kind == "content")

@@ -1,0 +1,92 @@
+"""`create_app(settings)`: builds the whole server; resources open in the lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route, WebSocketRoute
+
+from . import api, config
+from .chat.service import ChatService
+from .config import Settings
+from .ids import Snowflake
+from .llm import LLMClient
+from .prompts import Prompts
+from .store import Store, open_store
+from .streams import StreamHub, open_hub
+from .transport import sse, ws
+
+log = logging.getLogger("app")
+
+
+def create_app(
+    settings: Settings,
+    *,
+    llm: LLMClient | None = None,
+    store: Store | None = None,
+    hub: StreamHub | None = None,
+    prompts: Prompts | None = None,
+) -> Starlette:
+    """The ASGI app. Backends not given are built from `settings` and opened on start."""
+    process = f"{socket.gethostname()}:{os.getpid()}"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        the_store = store or open_store(settings.store.url)
+        the_hub = hub or open_hub(settings.redis.url, replay_ttl=settings.stream.replay_ttl_seconds, process=process)
+        the_llm = llm or LLMClient(settings.llm)
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(the_store)
+            await stack.enter_async_context(the_hub)
+            stack.push_async_callback(the_llm.aclose)
+            service = ChatService(
+                settings,
+                store=the_store,
+                hub=the_hub,
+                llm=the_llm,
+                prompts=prompts or Prompts(),
+                ids=Snowflake(),
+            )
+            app.state.settings = settings
+            app.state.service = service
+            try:
+                yield
+            finally:
+                await service.aclose(settings.server.shutdown_grace_seconds)
+
+    routes = [
+        Route("/api/chat/sse", sse.chat, methods=["POST"]),
+        Route("/api/chat/sse/resume", sse.resume, methods=["GET"]),
+        Route("/api/chat/cancel", api.cancel, methods=["POST"]),
+        WebSocketRoute("/api/chat/ws", ws.endpoint),
+        WebSocketRoute("/", ws.endpoint),
+        Route("/api/chats", api.list_chats, methods=["GET"]),
+        Route("/api/chats/{chat_id}", api.get_chat, methods=["GET"]),
+        Route("/api/chats/{chat_id}", api.delete_chat, methods=["DELETE"]),
+        Route("/sources/{message_id}", api.sources, methods=["GET"]),
+        Route("/api/config", api.config, methods=["GET"]),
+        Route("/api/suggestions", api.suggestions, methods=["POST"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/readyz", api.readyz, methods=["GET"]),
+    ]
+    middleware = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.server.cors_origins),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "last-event-id"],
+        )
+    ]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+def app_factory() -> Starlette:
+    """For `uvicorn --factory app.main:app_factory` (the Procfile)."""
+    return create_app(config.load())

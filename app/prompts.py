@@ -1,0 +1,46 @@
+"""Prompts: one file per prompt in `prompts/`, loaded once, rendered with named placeholders."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .config import ROOT
+
+NAMES = (
+    "rewrite_question",
+    "title",
+    "suggestions",
+    "web_search_response",
+    "web_search_select",
+    "deepseek",
+    "math_assistant",
+    "writing_assistant",
+    "translator",
+    "research_plan",
+    "research_reflect",
+    "research_report",
+)
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+
+
+class Prompts:
+    """All prompts, read at start. A missing file fails the start, not a request."""
+
+    def __init__(self, directory: Path | None = None, names: tuple[str, ...] = NAMES) -> None:
+        directory = directory or ROOT / "prompts"
+        self._texts: dict[str, str] = {}
+        for name in names:
+            path = directory / f"{name}.txt"
+            if not path.is_file():
+                raise FileNotFoundError(f"prompt file missing: {path}")
+            self._texts[name] = path.read_text(encoding="utf-8")
+
+    def render(self, name: str, **values: str) -> str:
+        """The prompt with `{name}` placeholders filled; unknown braces stay as they are.
+
+        Values are inserted in one pass, so braces inside a value (search
+        results, user text) are never treated as placeholders.
+        """
+        text = self._texts[name]
+        return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)

@@ -1,0 +1,304 @@
+"""The wire protocol: request parsing and validation, events, and their renderers.
+
+Every check a request needs before a stream may start is here, so that a
+refusal can still be an HTTP status (SSE) or one `error` frame (WebSocket).
+Events are plain data; the only code that turns them into JSON is
+`render(event, format)` below (one function per format).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .errors import AppError, BadRequest
+
+FOCUS_MODES = (
+    "webSearch",
+    "translator",
+    "deepSeek",
+    "mathAssistant",
+    "writingAssistant",
+    "deepResearch",
+)
+OPTIMIZATION_MODES = ("speed", "balanced", "quality")
+FORMATS = ("default", "simple")
+MAX_ID = 2**63 - 1
+MAX_JSON_DEPTH = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated `type: "message"` request (PROTOCOL §1)."""
+
+    user_id: str
+    content: str
+    chat_id: str | None = None
+    message_id: str | None = None
+    focus_mode: str = "webSearch"
+    copilot_enabled: bool = True
+    optimization_mode: str = "speed"
+    history: tuple[tuple[str, str], ...] | None = None
+    files: tuple[Any, ...] = ()
+    format: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRequest:
+    """A WebSocket `cancel`, `resume` or `ping` frame, or the cancel endpoint's body."""
+
+    type: str
+    chat_id: str | None = None
+    user_id: str | None = None
+    last_event_id: str | None = None
+    format: str = "default"
+
+
+def loads(raw: bytes | str) -> Any:
+    """Decode JSON or raise `BadRequest` saying why."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from exc
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise BadRequest(f"JSON is nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            return depth
+        nxt: list[Any] = []
+        for item in level:
+            if isinstance(item, dict):
+                nxt.extend(item.values())
+            elif isinstance(item, list):
+                nxt.extend(item)
+        level = nxt
+    return depth - 1
+
+
+def parse_id(value: Any, name: str, *, allow_zero: bool = False) -> str:
+    """A 64-bit id given as digits or an integer, returned as a decimal string."""
+    if isinstance(value, bool):
+        raise BadRequest(f"{name} must be a decimal id")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        number = int(value)
+    else:
+        raise BadRequest(f"{name} must be a decimal id")
+    if number > MAX_ID or number < 0 or (number == 0 and not allow_zero):
+        raise BadRequest(f"{name} is out of range for a 64-bit id")
+    return str(number)
+
+
+def parse_chat_request(
+    body: Any,
+    *,
+    max_content_chars: int,
+    max_history_messages: int = 200,
+    format_override: str | None = None,
+) -> ChatRequest:
+    """Validate a decoded chat request. Raises `BadRequest` naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("request must be a JSON object")
+    kind = body.get("type", "message")
+    if kind != "message":
+        raise BadRequest(f"type must be 'message', got {kind!r}")
+    message = body.get("message")
+    if not isinstance(message, dict):
+        raise BadRequest("message must be an object with content")
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise BadRequest("message.content must be a non-empty string")
+    if len(content) > max_content_chars:
+        raise BadRequest(f"message.content is longer than {max_content_chars} characters")
+    chat_id = message.get("chatId")
+    message_id = message.get("messageId")
+    user_id = body.get("userId")
+
+    focus_mode = body.get("focusMode", "webSearch")
+    if focus_mode not in FOCUS_MODES:
+        raise BadRequest(f"focusMode must be one of {', '.join(FOCUS_MODES)}")
+    optimization_mode = body.get("optimizationMode", "speed")
+    if optimization_mode not in OPTIMIZATION_MODES:
+        raise BadRequest(f"optimizationMode must be one of {', '.join(OPTIMIZATION_MODES)}")
+    copilot = body.get("copilotEnabled", True)
+    if not isinstance(copilot, bool):
+        raise BadRequest("copilotEnabled must be true or false")
+    fmt = format_override or body.get("format", "default")
+    if fmt not in FORMATS:
+        raise BadRequest(f"format must be one of {', '.join(FORMATS)}")
+    files = body.get("files", [])
+    if files is None:
+        files = []
+    if not isinstance(files, list):
+        raise BadRequest("files must be a list")
+
+    return ChatRequest(
+        user_id=parse_id(user_id, "userId", allow_zero=True) if user_id not in (None, "") else "0",
+        content=content,
+        chat_id=parse_id(chat_id, "message.chatId") if chat_id not in (None, "") else None,
+        message_id=parse_id(message_id, "message.messageId") if message_id not in (None, "") else None,
+        focus_mode=focus_mode,
+        copilot_enabled=copilot,
+        optimization_mode=optimization_mode,
+        history=_parse_history(body.get("history"), max_history_messages, max_content_chars),
+        files=tuple(files),
+        format=fmt,
+    )
+
+
+def _parse_history(value: Any, max_messages: int, max_chars: int) -> tuple[tuple[str, str], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise BadRequest("history must be a list of [role, text] pairs")
+    if len(value) > max_messages:
+        raise BadRequest(f"history has more than {max_messages} messages")
+    pairs = []
+    for i, item in enumerate(value):
+        if (
+            not isinstance(item, list | tuple)
+            or len(item) != 2
+            or not all(isinstance(part, str) for part in item)
+        ):
+            raise BadRequest(f"history[{i}] must be a [role, text] pair of strings")
+        if len(item[1]) > max_chars:
+            raise BadRequest(f"history[{i}] is longer than {max_chars} characters")
+        pairs.append(("user" if item[0] == "human" else "assistant", item[1]))
+    return tuple(pairs)
+
+
+def parse_control(body: Any) -> ControlRequest:
+    """Validate a cancel/resume/ping request (ids optional where the type allows)."""
+    if not isinstance(body, dict):
+        raise BadRequest("request must be a JSON object")
+    kind = body.get("type")
+    chat_id = body.get("chatId")
+    user_id = body.get("userId")
+    last = body.get("lastEventId")
+    if last is not None and not isinstance(last, str):
+        raise BadRequest("lastEventId must be a string '<messageId>:<seq>'")
+    fmt = body.get("format", "default")
+    if fmt not in FORMATS:
+        raise BadRequest(f"format must be one of {', '.join(FORMATS)}")
+    return ControlRequest(
+        type=kind if isinstance(kind, str) else "",
+        chat_id=parse_id(chat_id, "chatId") if chat_id not in (None, "") else None,
+        user_id=parse_id(user_id, "userId", allow_zero=True) if user_id not in (None, "") else None,
+        last_event_id=last,
+        format=fmt,
+    )
+
+
+def parse_event_id(value: str | None) -> tuple[str | None, int]:
+    """`"<answerMessageId>:<seq>"` → (answer id, seq); None or "" → (None, 0)."""
+    if not value:
+        return None, 0
+    answer_id, sep, seq = value.partition(":")
+    if not sep or not seq.isdigit():
+        raise BadRequest("Last-Event-ID must look like '<messageId>:<seq>'")
+    return parse_id(answer_id, "Last-Event-ID messageId"), int(seq)
+
+
+# -- events ---------------------------------------------------------------------
+
+#: types that carry no `messageId` on the wire
+_NO_MESSAGE_ID = frozenset({"rewrited"})
+#: default type → simple type (PROTOCOL §4)
+_SIMPLE_TYPES = {
+    "rewrited": "info",
+    "sources": "info",
+    "progress": "info",
+    "reasoning": "info",
+    "message": "answer",
+    "messageEnd": "complete",
+    "error": "error",
+}
+TERMINAL = frozenset({"messageEnd", "error"})
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event of a generation. `seq` 0 means unnumbered (keep-alive)."""
+
+    type: str
+    chat_id: str
+    message_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0
+    ts: float = field(default_factory=time.time)
+
+    @property
+    def terminal(self) -> bool:
+        return self.type in TERMINAL
+
+    @property
+    def event_id(self) -> str | None:
+        return f"{self.message_id}:{self.seq}" if self.seq else None
+
+
+def render_default(event: Event) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": event.type, **event.data}
+    if event.type not in _NO_MESSAGE_ID:
+        out["messageId"] = event.message_id
+    out["chatId"] = event.chat_id
+    return out
+
+
+def render_simple(event: Event) -> dict[str, Any] | None:
+    """The simplified `type/content/timestamp/metadata` message; None when it has no counterpart."""
+    kind = _SIMPLE_TYPES.get(event.type)
+    if kind is None:
+        return None
+    meta: dict[str, Any] = {"chatId": event.chat_id, "messageId": event.message_id}
+    data = event.data
+    if kind == "info":
+        meta["kind"] = event.type
+        if event.type == "sources":
+            meta["sources"] = data.get("data", [])
+            content = f"{max(len(meta['sources']) - 1, 0)} sources"
+        elif event.type == "rewrited":
+            content = data.get("content", "")
+        else:
+            content = data.get("data", "")
+    elif kind == "answer":
+        content = data.get("data", "")
+    elif kind == "complete":
+        meta["status"] = data.get("status", "completed")
+        if "questionMessageId" in data:
+            meta["questionMessageId"] = data["questionMessageId"]
+        content = "query " + meta["status"]
+    else:
+        meta["key"] = data.get("key", "INTERNAL")
+        content = data.get("data", "")
+    return {"type": kind, "content": content, "timestamp": event.ts, "metadata": meta}
+
+
+def render_simple_start(chat_id: str, message_id: str, question: str) -> dict[str, Any]:
+    return {
+        "type": "start",
+        "content": f"processing query: {question}",
+        "timestamp": time.time(),
+        "metadata": {"chatId": chat_id, "messageId": message_id},
+    }
+
+
+def render(event: Event, fmt: str) -> dict[str, Any] | None:
+    """The wire dict for an event in a format, or None when the format skips it."""
+    if fmt == "simple":
+        return render_simple(event)
+    return render_default(event)
+
+
+def error_body(exc: AppError, **extra: Any) -> dict[str, Any]:
+    """The JSON body of an HTTP refusal, or of a WebSocket error frame."""
+    return {"type": "error", "key": exc.key, "data": exc.message, **extra}

@@ -1,0 +1,218 @@
+"""SQLite store (the embedded default), through aiosqlite.
+
+One connection in WAL mode; aiosqlite runs it on its own thread, so the event
+loop never blocks on disk. The schema is upgraded by numbered migrations kept
+in `PRAGMA user_version`, inside one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import orjson
+
+from .base import Chat, Store, StoredMessage
+
+MIGRATIONS = (
+    """
+    CREATE TABLE IF NOT EXISTS chats (
+        id INTEGER PRIMARY KEY,
+        user_id INTEGER NOT NULL,
+        title TEXT NOT NULL,
+        focus_mode TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS chats_by_user ON chats (user_id, created_at DESC);
+    CREATE TABLE IF NOT EXISTS messages (
+        id INTEGER PRIMARY KEY,
+        chat_id INTEGER NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        reasoning TEXT NOT NULL DEFAULT '',
+        rewritten TEXT,
+        sources TEXT NOT NULL DEFAULT '[]',
+        status TEXT NOT NULL,
+        reply_to INTEGER,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, created_at, id);
+    """,
+)
+
+_MESSAGE_COLUMNS = "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
+
+
+def sqlite_path(url: str) -> str:
+    """`sqlite:///data/x.db` → `data/x.db`; `sqlite:////abs/x.db` → `/abs/x.db`."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        raise ValueError(f"unsupported store URL {url!r}: expected sqlite:///path")
+    path = url[len(prefix):]
+    if not path:
+        raise ValueError("sqlite URL has no path")
+    return path
+
+
+class SQLiteStore(Store):
+    def __init__(self, url: str) -> None:
+        self.path = sqlite_path(url)
+        self._db: aiosqlite.Connection | None = None
+        self._write_lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = await aiosqlite.connect(self.path, isolation_level=None)
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute("PRAGMA foreign_keys=ON")
+        await db.execute("PRAGMA busy_timeout=5000")
+        await db.execute("PRAGMA synchronous=NORMAL")
+        async with db.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        version = row[0] if row else 0
+        if version < len(MIGRATIONS):
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                for number in range(version, len(MIGRATIONS)):
+                    await _run_script(db, MIGRATIONS[number])
+                await db.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
+                await db.execute("COMMIT")
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+        self._db = db
+
+    async def close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            await db.close()
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise OSError("store is not open")
+        return self._db
+
+    async def ping(self) -> None:
+        async with self.db.execute("SELECT 1") as cur:
+            await cur.fetchone()
+
+    async def _write(self, sql: str, params: tuple[Any, ...]) -> int:
+        async with self._write_lock:
+            cursor = await self.db.execute(sql, params)
+            count = cursor.rowcount
+            await cursor.close()
+            return count
+
+    async def create_chat(self, chat: Chat) -> bool:
+        count = await self._write(
+            "INSERT OR IGNORE INTO chats (id, user_id, title, focus_mode, created_at) VALUES (?, ?, ?, ?, ?)",
+            (int(chat.id), int(chat.user_id), chat.title, chat.focus_mode, chat.created_at),
+        )
+        return count == 1
+
+    async def get_chat(self, chat_id: str) -> Chat | None:
+        async with self.db.execute(
+            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE id = ?", (int(chat_id),)
+        ) as cur:
+            row = await cur.fetchone()
+        return _chat(row) if row else None
+
+    async def set_title(self, chat_id: str, title: str) -> None:
+        await self._write("UPDATE chats SET title = ? WHERE id = ?", (title, int(chat_id)))
+
+    async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
+        async with self.db.execute(
+            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE user_id = ?"
+            " ORDER BY created_at DESC, id DESC LIMIT ?",
+            (int(user_id), limit),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [_chat(row) for row in rows]
+
+    async def delete_chat(self, chat_id: str) -> bool:
+        async with self._write_lock:
+            await self.db.execute("BEGIN")
+            try:
+                await self.db.execute("DELETE FROM messages WHERE chat_id = ?", (int(chat_id),))
+                cursor = await self.db.execute("DELETE FROM chats WHERE id = ?", (int(chat_id),))
+                count = cursor.rowcount
+                await self.db.execute("COMMIT")
+            except BaseException:
+                await self.db.execute("ROLLBACK")
+                raise
+        return count == 1
+
+    async def add_message(self, message: StoredMessage) -> bool:
+        count = await self._write(
+            f"INSERT OR IGNORE INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                int(message.id),
+                int(message.chat_id),
+                message.role,
+                message.content,
+                message.reasoning,
+                message.rewritten,
+                orjson.dumps(message.sources).decode(),
+                message.status,
+                int(message.reply_to) if message.reply_to else None,
+                message.created_at,
+            ),
+        )
+        return count == 1
+
+    async def finish_message(self, message_id: str, *, content: str, reasoning: str, status: str) -> None:
+        await self._write(
+            "UPDATE messages SET content = ?, reasoning = ?, status = ? WHERE id = ?",
+            (content, reasoning, status, int(message_id)),
+        )
+
+    async def set_sources(self, message_id: str, sources: list[dict[str, Any]]) -> None:
+        await self._write(
+            "UPDATE messages SET sources = ? WHERE id = ?",
+            (orjson.dumps(sources).decode(), int(message_id)),
+        )
+
+    async def get_message(self, message_id: str) -> StoredMessage | None:
+        async with self.db.execute(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (int(message_id),)
+        ) as cur:
+            row = await cur.fetchone()
+        return _message(row) if row else None
+
+    async def list_messages(self, chat_id: str) -> list[StoredMessage]:
+        async with self.db.execute(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
+            (int(chat_id),),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [_message(row) for row in rows]
+
+
+async def _run_script(db: aiosqlite.Connection, script: str) -> None:
+    # executescript() would COMMIT the open transaction; run statement by statement
+    for statement in script.split(";"):
+        if statement.strip():
+            await db.execute(statement)
+
+
+def _chat(row: Any) -> Chat:
+    return Chat(id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4])
+
+
+def _message(row: Any) -> StoredMessage:
+    return StoredMessage(
+        id=str(row[0]),
+        chat_id=str(row[1]),
+        role=row[2],
+        content=row[3],
+        reasoning=row[4],
+        rewritten=row[5],
+        sources=orjson.loads(row[6]),
+        status=row[7],
+        reply_to=str(row[8]) if row[8] is not None else None,
+        created_at=row[9],
+    )

@@ -1,0 +1,79 @@
+"""`memory://`: the registry and event logs of one process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from ..errors import BadRequest
+from ..protocol import Event
+from .base import GenerationLog, Handle, StreamHub
+
+
+class MemoryHub(StreamHub):
+    def __init__(self, *, replay_ttl: float, process: str = "local") -> None:
+        super().__init__(replay_ttl=replay_ttl, process=process)
+        self._running: dict[str, tuple[Handle, Callable[[], None]]] = {}
+        self._logs: dict[str, GenerationLog] = {}
+        self._latest: dict[str, str] = {}
+        self._expiry: dict[str, asyncio.TimerHandle] = {}
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for timer in self._expiry.values():
+            timer.cancel()
+        self._expiry.clear()
+
+    async def register(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
+        if handle.chat_id in self._running:
+            raise BadRequest("a generation is already running for this chat")
+        self._running[handle.chat_id] = (handle, on_cancel)
+        log = GenerationLog(handle)
+        self._logs[handle.answer_id] = log
+        self._latest[handle.chat_id] = handle.answer_id
+        return log
+
+    async def unregister(self, handle: Handle) -> None:
+        entry = self._running.get(handle.chat_id)
+        if entry is not None and entry[0].answer_id == handle.answer_id:
+            del self._running[handle.chat_id]
+        if handle.answer_id in self._logs and handle.answer_id not in self._expiry:
+            loop = asyncio.get_running_loop()
+            self._expiry[handle.answer_id] = loop.call_later(self.replay_ttl, self._expire, handle)
+
+    def _expire(self, handle: Handle) -> None:
+        self._expiry.pop(handle.answer_id, None)
+        self._logs.pop(handle.answer_id, None)
+        if self._latest.get(handle.chat_id) == handle.answer_id:
+            del self._latest[handle.chat_id]
+
+    async def lookup(self, chat_id: str) -> Handle | None:
+        entry = self._running.get(chat_id)
+        return entry[0] if entry else None
+
+    async def cancel(self, handle: Handle) -> None:
+        entry = self._running.get(handle.chat_id)
+        if entry is not None and entry[0].answer_id == handle.answer_id:
+            entry[1]()
+
+    async def latest(self, chat_id: str) -> Handle | None:
+        answer_id = self._latest.get(chat_id)
+        log = self._logs.get(answer_id) if answer_id else None
+        return log.handle if log else None
+
+    async def find(self, answer_id: str) -> Handle | None:
+        log = self._logs.get(answer_id)
+        return log.handle if log else None
+
+    async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+        log = self._logs.get(handle.answer_id)
+        if log is None:
+            return
+        async for batch in log.follow(after_seq):
+            yield batch
+
+    def local_count(self) -> int:
+        """Generations running in this process (for tests and metrics)."""
+        return len(self._running)

@@ -1,0 +1,1 @@
+"""Transports: how events reach a client (SSE, WebSocket), behind one `Emitter` interface."""

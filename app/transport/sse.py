@@ -1,0 +1,112 @@
+"""Server-Sent Events: `POST /api/chat/sse` and `GET /api/chat/sse/resume`.
+
+Each event goes out as `id: <answerMessageId>:<seq>\\ndata: <json>\\n\\n`; a
+`: ping` comment every `server.keepalive_seconds` keeps proxies from closing
+an idle stream. The request is validated before the response starts, so a
+refusal is an HTTP status with a JSON error body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import orjson
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..protocol import Event, parse_chat_request, parse_id, render, render_simple_start
+from ..streams import Handle
+from .emitter import Emitter
+from .http import client_identity, guard, read_json
+
+PING = b": ping\n\n"
+
+
+def encode(event: Event, fmt: str) -> bytes:
+    """One event as SSE bytes (a keep-alive becomes a ping comment)."""
+    if not event.seq:
+        return PING
+    body = render(event, fmt)
+    if body is None:
+        return b""
+    return b"id: %s:%d\ndata: %s\n\n" % (event.message_id.encode(), event.seq, orjson.dumps(body))
+
+
+class SseEmitter(Emitter):
+    """Bridges the relay (push) to the streaming response (pull) through a bounded
+    channel of byte chunks; a whole batch of events is one chunk, one write."""
+
+    def __init__(self, fmt: str, max_chunks: int) -> None:
+        super().__init__(fmt)
+        self._send, self._receive = anyio.create_memory_object_stream[bytes](max_chunks)
+
+    async def open(self, handle: Handle) -> None:
+        if self.format == "simple":
+            start = render_simple_start(handle.chat_id, handle.answer_id, handle.question)
+            await self._send.send(b"data: %s\n\n" % orjson.dumps(start))
+
+    async def emit(self, events: Sequence[Event]) -> None:
+        fmt = self.format
+        chunk = b"".join([encode(event, fmt) for event in events])
+        if chunk:
+            await self._send.send(chunk)
+
+    def close(self) -> None:
+        self._send.close()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async with self._receive:
+            async for chunk in self._receive:
+                yield chunk
+
+
+def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int = 0) -> Response:
+    service = request.app.state.service
+    settings = request.app.state.settings
+    emitter = SseEmitter(fmt, settings.stream.max_queue_events)
+
+    async def pump() -> None:
+        try:
+            await service.relay(handle, emitter, after_seq)
+        finally:
+            emitter.close()
+
+    return EventSourceResponse(
+        emitter.chunks(),
+        headers={"Cache-Control": "no-cache"},
+        ping=settings.server.keepalive_seconds,
+        ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
+        sep="\n",
+        data_sender_callable=pump,
+    )
+
+
+@guard
+async def chat(request: Request) -> Response:
+    settings = request.app.state.settings
+    body = await read_json(request, settings.limits.max_body_bytes)
+    chat_request = parse_chat_request(
+        body,
+        max_content_chars=settings.limits.max_content_chars,
+        max_history_messages=settings.limits.max_history_messages,
+        format_override=request.query_params.get("format") or None,
+    )
+    handle = await request.app.state.service.start(chat_request)
+    return stream_response(request, handle, chat_request.format)
+
+
+@guard
+async def resume(request: Request) -> Response:
+    params = request.query_params
+    chat_id = params.get("chatId")
+    user_id = client_identity(request, params.get("userId"))
+    last = request.headers.get("last-event-id") or params.get("lastEventId")
+    fmt = params.get("format") or "default"
+    if fmt not in ("default", "simple"):
+        fmt = "default"
+    handle, seq = await request.app.state.service.find_resumable(
+        parse_id(chat_id, "chatId") if chat_id else None, user_id, last
+    )
+    return stream_response(request, handle, fmt, seq)

@@ -1,0 +1,63 @@
+"""Test-side clients: read an SSE stream or a WebSocket conversation into events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+
+@dataclass
+class SseEvent:
+    id: str | None
+    data: dict[str, Any]
+
+    @property
+    def type(self) -> str:
+        return self.data["type"]
+
+
+async def iter_sse(response: httpx.Response) -> AsyncIterator[SseEvent | str]:
+    """Events (and comment lines, as str) of an SSE response, as they arrive."""
+    event_id, data = None, []
+    async for line in response.aiter_lines():
+        if line == "":
+            if data:
+                yield SseEvent(event_id, orjson.loads("\n".join(data)))
+            event_id, data = None, []
+        elif line.startswith(":"):
+            yield line
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+
+
+async def sse_chat(client: httpx.AsyncClient, body: dict[str, Any], **kwargs: Any) -> list[SseEvent]:
+    """POST a chat request and read the whole stream (raises on a non-200)."""
+    async with client.stream("POST", "/api/chat/sse", json=body, **kwargs) as response:
+        assert response.status_code == 200, (response.status_code, await response.aread())
+        return [e async for e in iter_sse(response) if isinstance(e, SseEvent)]
+
+
+def chat_body(content: str, **fields: Any) -> dict[str, Any]:
+    message = {"content": content}
+    for key in ("chatId", "messageId"):
+        if key in fields:
+            message[key] = fields.pop(key)
+    return {"type": "message", "userId": "1", "message": message, "focusMode": "deepSeek", **fields}
+
+
+def answer_of(events: list[Any]) -> str:
+    return "".join(e.data["data"] if hasattr(e, "data") else e["data"] for e in events if _type(e) == "message")
+
+
+def reasoning_of(events: list[Any]) -> str:
+    return "".join(e.data["data"] if hasattr(e, "data") else e["data"] for e in events if _type(e) == "reasoning")
+
+
+def _type(e: Any) -> str:
+    return e.type if hasattr(e, "type") else e["type"]

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.config import Settings
+from app.main import create_app
+from tests.fakes.model import DEFAULT_REPLIES, FakeModel
+from tests.servers import ServerThread, serve
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def fake_model_server() -> Iterator[tuple[FakeModel, ServerThread]]:
+    model = FakeModel()
+    with serve(model.app()) as server:
+        yield model, server
+
+
+@pytest.fixture
+def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
+    model, _ = fake_model_server
+    model.requests.clear()
+    model.streams.clear()
+    model.replies[:] = DEFAULT_REPLIES
+    model.reply_delay = 0.0
+    return model
+
+
+@pytest.fixture
+def model_url(fake_model_server: tuple[FakeModel, ServerThread], fake_model: FakeModel) -> str:
+    return fake_model_server[1].url + "/v1"
+
+
+@pytest.fixture
+def settings(tmp_path: Path, model_url: str) -> Settings:
+    return Settings().replace(
+        llm={"base_url": model_url, "api_key": "test-key", "model": "fake-chat", "small_model": "fake-small"},
+        embeddings={"base_url": model_url, "api_key": "test-key", "model": "fake-embed"},
+        store={"url": f"sqlite:///{tmp_path}/chat.db"},
+        server={"keepalive_seconds": 15.0, "shutdown_grace_seconds": 2.0},
+    )
+
+
+@pytest.fixture
+def server(settings: Settings) -> Iterator[ServerThread]:
+    with serve(create_app(settings)) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+        yield http

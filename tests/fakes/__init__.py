@@ -1,0 +1,1 @@
+"""Small real HTTP servers standing in for the model, search and reader APIs."""

@@ -1,0 +1,213 @@
+"""A fake OpenAI-compatible model server (real HTTP, for real clients).
+
+Behaviour of a streamed answer is scripted by directives in the last user
+message, so one test can pick it per request:
+
+    #tokens=N      N content tokens "tok0 ", "tok1 ", … (default 5)
+    #reasoning=N   N reasoning tokens "why0 ", … sent first (default 2)
+    #delay=S       seconds between tokens (default 0)
+    #keepalive=N   N ": keep-alive" comments before the first token
+    #fail=CODE     answer HTTP CODE with an OpenAI-style error body
+    #break=N       drop the connection after N content tokens
+    #malformed=N   send a malformed chunk after N content tokens
+    #empty         a 200 with an empty body
+    #hang          send the first token, then wait until the client goes
+    #think         content tokens carry "<think>…</think>" cut across chunks
+
+Non-streamed completions (rewrite, title, suggestions, ranking) answer from
+`replies`: the first (substring, reply) whose substring is in the prompt.
+Everything asked is kept in `requests`; every stream's end in `streams`
+("completed", "client_closed", "broken").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+DIRECTIVE = re.compile(r"#(\w+)(?:=([\w.]+))?")
+
+DEFAULT_REPLIES: list[tuple[str, str]] = [
+    ("Standalone question", "not_needed"),
+    ("Write a title", "Fake Chat Title"),
+    ("Follow-up questions", "What is next?\nWhy does it matter?\nWho made it?\nWhen did it start?"),
+]
+
+
+@dataclass
+class StreamRecord:
+    outcome: str = "open"
+    tokens_sent: int = 0
+    closed_at: float = 0.0
+
+
+@dataclass
+class FakeModel:
+    api_key: str = "test-key"
+    replies: list[tuple[str, str]] = field(default_factory=lambda: list(DEFAULT_REPLIES))
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    streams: list[StreamRecord] = field(default_factory=list)
+    embedding_dims: int = 8
+    reply_delay: float = 0.0
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            ]
+        )
+
+    # -- what tests look at ---------------------------------------------------------
+
+    def streamed_requests(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r.get("stream")]
+
+    def last_system_prompt(self) -> str:
+        messages = self.streamed_requests()[-1]["messages"]
+        return next(m["content"] for m in messages if m["role"] == "system")
+
+    async def wait_stream_end(self, index: int = -1, timeout: float = 5.0) -> StreamRecord:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.streams and self.streams[index].outcome != "open":
+                return self.streams[index]
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"stream did not end: {self.streams[index] if self.streams else None}")
+
+    # -- endpoints ------------------------------------------------------------------
+
+    def _authorised(self, request: Request) -> bool:
+        return request.headers.get("authorization") == f"Bearer {self.api_key}"
+
+    async def completions(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return _error(401, "invalid api key")
+        body = orjson.loads(await request.body())
+        self.requests.append(body)
+        prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+        if not body.get("stream"):
+            if self.reply_delay:
+                await asyncio.sleep(self.reply_delay)
+            return JSONResponse(_completion(self._reply(prompt)))
+        last_user = next(
+            (m["content"] for m in reversed(body["messages"]) if m["role"] == "user"), ""
+        )
+        script = {name: value for name, value in DIRECTIVE.findall(last_user)}
+        if "fail" in script:
+            return _error(int(script["fail"]), f"fake failure {script['fail']}")
+        if "empty" in script:
+            return Response(b"", media_type="text/event-stream")
+        record = StreamRecord()
+        self.streams.append(record)
+        return StreamingResponse(self._stream(script, record), media_type="text/event-stream")
+
+    def _reply(self, prompt: str) -> str:
+        for needle, reply in self.replies:
+            if needle in prompt:
+                return reply
+        return "fake reply"
+
+    async def _stream(self, script: dict[str, str], record: StreamRecord) -> AsyncIterator[bytes]:
+        tokens = int(script.get("tokens") or 5)
+        reasoning = int(script.get("reasoning") or 2) if "reasoning" in script else 2
+        delay = float(script.get("delay") or 0)
+        keepalives = int(script.get("keepalive") or 0)
+        break_at = int(script["break"]) if "break" in script else None
+        malformed_at = int(script["malformed"]) if "malformed" in script else None
+        try:
+            yield _chunk({"role": "assistant", "content": ""})
+            for _ in range(keepalives):
+                yield b": keep-alive\n\n"
+                await asyncio.sleep(0.01)
+            for i in range(reasoning):
+                yield _chunk({"reasoning_content": f"why{i} "})
+                if delay:
+                    await asyncio.sleep(delay)
+            pieces = think_pieces() if "think" in script else [f"tok{i} " for i in range(tokens)]
+            for i, piece in enumerate(pieces):
+                if break_at is not None and i == break_at:
+                    record.outcome = "broken"
+                    raise ConnectionAbortedError("scripted break")
+                if malformed_at is not None and i == malformed_at:
+                    yield b'data: {"choices": [{"delta": {"content": \n\n'
+                yield _chunk({"content": piece})
+                record.tokens_sent += 1
+                if "hang" in script:
+                    await asyncio.Event().wait()
+                if delay:
+                    await asyncio.sleep(delay)
+            yield _chunk({}, finish="stop")
+            yield b"data: [DONE]\n\n"
+            record.outcome = "completed"
+        finally:
+            if record.outcome == "open":
+                record.outcome = "client_closed"
+            record.closed_at = time.monotonic()
+
+    async def embeddings(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return _error(401, "invalid api key")
+        body = orjson.loads(await request.body())
+        self.requests.append(body)
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [
+            {"object": "embedding", "index": i, "embedding": embed(text, self.embedding_dims)}
+            for i, text in enumerate(inputs)
+        ]
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model", "fake-embed")})
+
+
+THINK_ANSWER = "The answer."
+THINK_REASONING = "Let me think."
+
+
+def think_pieces() -> list[str]:
+    """`<think>Let me think.</think>The answer.` cut inside both tags."""
+    return ["<thi", "nk>Let me ", "think.</th", "ink>The ", "answer."]
+
+
+def embed(text: str, dims: int) -> list[float]:
+    """A deterministic bag-of-words embedding: shared words → similar vectors."""
+    vector = [0.0] * dims
+    for word in re.findall(r"\w+", text.lower()):
+        vector[sum(map(ord, word)) % dims] += 1.0
+    return vector
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    payload = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "fake",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _completion(text: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "fake",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+def _error(status: int, message: str) -> Response:
+    return JSONResponse(
+        {"error": {"message": message, "type": "fake_error", "code": str(status)}}, status_code=status
+    )

@@ -1,0 +1,79 @@
+"""Loading `config.toml` and the environment overrides of PROTOCOL §8."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, load
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_repository_config_holds_the_documented_defaults():
+    settings = load(env={"APP_CONFIG": ""})
+    assert settings.server.port == 8080
+    assert settings.llm.model == "deepseek-reasoner"
+    assert settings.stream.replay_ttl_seconds == 300
+
+
+def test_file_then_environment(tmp_path):
+    path = write(
+        tmp_path,
+        '[server]\nport = 9000\ncors_origins = ["https://a"]\n[llm]\nmodel = "m"\napi_key = "k"\n'
+        '[reader]\nallow_private_networks = true\n[auth]\napi_keys = { "key1" = "11" }\n',
+    )
+    settings = load(path, env={})
+    assert settings.server.port == 9000
+    assert settings.server.cors_origins == ("https://a",)
+    assert settings.llm.effective_small_model == "m"
+    assert settings.embeddings.api_key == "k"  # derived from llm
+    assert settings.reader.allow_private_networks is True
+    assert dict(settings.auth.api_keys) == {"key1": "11"}
+
+    env = {
+        "PORT": "7000",
+        "LLM_MODEL": "other",
+        "LLM_SMALL_MODEL": "small",
+        "LLM_TIMEOUT_SECONDS": "1.5",
+        "REDIS_URL": "redis://127.0.0.1:1/0",
+        "SERVER_CORS_ORIGINS": "https://x, https://y",
+        "READER_ALLOW_PRIVATE_NETWORKS": "false",
+        "AUTH_API_KEYS": "key1:user1,key2:22",
+        "EMBEDDINGS_API_KEY": "ek",
+    }
+    settings = load(path, env=env)
+    assert settings.server.port == 7000
+    assert (settings.llm.model, settings.llm.effective_small_model) == ("other", "small")
+    assert settings.llm.timeout_seconds == 1.5
+    assert settings.redis.url == "redis://127.0.0.1:1/0"
+    assert settings.server.cors_origins == ("https://x", "https://y")
+    assert settings.reader.allow_private_networks is False
+    assert dict(settings.auth.api_keys) == {"key1": "user1", "key2": "22"}
+    assert settings.embeddings.api_key == "ek"
+
+
+def test_app_config_points_elsewhere(tmp_path):
+    path = write(tmp_path, "[search]\nprovider = 'searxng'\n")
+    assert load(env={"APP_CONFIG": str(path)}).search.provider == "searxng"
+    with pytest.raises(ConfigError, match="not found"):
+        load(env={"APP_CONFIG": str(tmp_path / "missing.toml")})
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[server]\nport = 'x'\n", "[server]\nnope = 1\n", "server = 3\n", "[llm]\ntimeout_seconds = true\n"],
+)
+def test_bad_file_values_fail_at_start(tmp_path, text):
+    with pytest.raises(ConfigError):
+        load(write(tmp_path, text), env={})
+
+
+def test_bad_environment_values_fail_at_start():
+    with pytest.raises(ConfigError, match="PORT"):
+        load(env={"APP_CONFIG": "", "PORT": "eighty"})
+    with pytest.raises(ConfigError, match="AUTH_API_KEYS"):
+        load(env={"APP_CONFIG": "", "AUTH_API_KEYS": "justakey"})
