@@ -59,7 +59,7 @@ async def sources(request: Request) -> Response:
         raise NotFound("no such question")
     if "text/html" in request.headers.get("accept", ""):
         items = "\n".join(
-            "<li><a href=\"{url}\" rel=\"noopener noreferrer\">{title}</a><p>{text}</p></li>".format(
+            '<li><a href="{url}" rel="noopener noreferrer">{title}</a><p>{text}</p></li>'.format(
                 url=html.escape(s.get("metadata", {}).get("url", ""), quote=True),
                 title=html.escape(s.get("metadata", {}).get("title", "") or "(untitled)"),
                 text=html.escape((s.get("pageContent") or "")[:500]),
@@ -101,7 +101,8 @@ async def suggestions(request: Request) -> Response:
     if body.get("history") is not None:
         history = body["history"]
         if not isinstance(history, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in history
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in history
         ):
             raise BadRequest("history must be a list of [role, text] pairs")
         pairs = [("user" if role == "human" else "assistant", text) for role, text in history]
@@ -131,12 +132,17 @@ async def cancel(request: Request) -> Response:
     if control.chat_id is None:
         raise BadRequest("cancel needs chatId")
     try:
-        handle = await _service(request).cancel(control.chat_id, client_identity(request, control.user_id))
+        handle = await _service(request).cancel(
+            control.chat_id, client_identity(request, control.user_id)
+        )
     except NotFound as exc:
         return JSONResponse(
-            {"type": "error", "key": exc.key, "data": exc.message, "cancelled": False}, status_code=404
+            {"type": "error", "key": exc.key, "data": exc.message, "cancelled": False},
+            status_code=404,
         )
-    return JSONResponse({"chatId": handle.chat_id, "messageId": handle.answer_id, "cancelled": True})
+    return JSONResponse(
+        {"chatId": handle.chat_id, "messageId": handle.answer_id, "cancelled": True}
+    )
 
 
 async def healthz(request: Request) -> Response:

@@ -144,7 +144,9 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used (raised at start, not per request)."""
 
 
-def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+def load(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
     """Build the settings from a TOML file and environment overrides.
 
     `path` defaults to `$APP_CONFIG`, else `config.toml` at the repository root;

@@ -73,6 +73,7 @@ class LLMClient:
         """
         client = self._require()
         splitter = ThinkSplitter()
+        received = False
         try:
             async with client.chat.completions.with_streaming_response.create(
                 model=model or self.settings.model,
@@ -89,6 +90,7 @@ class LLMClient:
                     if not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
+                    received = True
                     if payload == "[DONE]":
                         break
                     for delta in _decode_chunk(payload, splitter):
@@ -105,6 +107,8 @@ class LLMClient:
             if _is_transport_error(exc):
                 raise StreamError(f"the model stream broke: {exc!r}") from exc
             raise
+        if not received:
+            raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
             yield delta
 
@@ -215,7 +219,7 @@ class ThinkSplitter:
                 if index:
                     out.append(Delta("reasoning" if self.inside else "content", text[:index]))
                 self.inside = not self.inside
-                text = text[index + len(tag):]
+                text = text[index + len(tag) :]
                 continue
             keep = _partial_suffix(text, tag)
             if keep:

@@ -40,7 +40,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         the_store = store or open_store(settings.store.url)
-        the_hub = hub or open_hub(settings.redis.url, replay_ttl=settings.stream.replay_ttl_seconds, process=process)
+        the_hub = hub or open_hub(
+            settings.redis.url, replay_ttl=settings.stream.replay_ttl_seconds, process=process
+        )
         the_llm = llm or LLMClient(settings.llm)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(the_store)

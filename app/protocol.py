@@ -146,7 +146,9 @@ def parse_chat_request(
         user_id=parse_id(user_id, "userId", allow_zero=True) if user_id not in (None, "") else "0",
         content=content,
         chat_id=parse_id(chat_id, "message.chatId") if chat_id not in (None, "") else None,
-        message_id=parse_id(message_id, "message.messageId") if message_id not in (None, "") else None,
+        message_id=parse_id(message_id, "message.messageId")
+        if message_id not in (None, "")
+        else None,
         focus_mode=focus_mode,
         copilot_enabled=copilot,
         optimization_mode=optimization_mode,
@@ -156,7 +158,9 @@ def parse_chat_request(
     )
 
 
-def _parse_history(value: Any, max_messages: int, max_chars: int) -> tuple[tuple[str, str], ...] | None:
+def _parse_history(
+    value: Any, max_messages: int, max_chars: int
+) -> tuple[tuple[str, str], ...] | None:
     if value is None:
         return None
     if not isinstance(value, list):

@@ -36,7 +36,9 @@ async def iter_sse(response: httpx.Response) -> AsyncIterator[SseEvent | str]:
             data.append(line[5:].strip())
 
 
-async def sse_chat(client: httpx.AsyncClient, body: dict[str, Any], **kwargs: Any) -> list[SseEvent]:
+async def sse_chat(
+    client: httpx.AsyncClient, body: dict[str, Any], **kwargs: Any
+) -> list[SseEvent]:
     """POST a chat request and read the whole stream (raises on a non-200)."""
     async with client.stream("POST", "/api/chat/sse", json=body, **kwargs) as response:
         assert response.status_code == 200, (response.status_code, await response.aread())
@@ -52,11 +54,17 @@ def chat_body(content: str, **fields: Any) -> dict[str, Any]:
 
 
 def answer_of(events: list[Any]) -> str:
-    return "".join(e.data["data"] if hasattr(e, "data") else e["data"] for e in events if _type(e) == "message")
+    return "".join(
+        e.data["data"] if hasattr(e, "data") else e["data"] for e in events if _type(e) == "message"
+    )
 
 
 def reasoning_of(events: list[Any]) -> str:
-    return "".join(e.data["data"] if hasattr(e, "data") else e["data"] for e in events if _type(e) == "reasoning")
+    return "".join(
+        e.data["data"] if hasattr(e, "data") else e["data"]
+        for e in events
+        if _type(e) == "reasoning"
+    )
 
 
 def _type(e: Any) -> str:

@@ -42,7 +42,12 @@ def model_url(fake_model_server: tuple[FakeModel, ServerThread], fake_model: Fak
 @pytest.fixture
 def settings(tmp_path: Path, model_url: str) -> Settings:
     return Settings().replace(
-        llm={"base_url": model_url, "api_key": "test-key", "model": "fake-chat", "small_model": "fake-small"},
+        llm={
+            "base_url": model_url,
+            "api_key": "test-key",
+            "model": "fake-chat",
+            "small_model": "fake-small",
+        },
         embeddings={"base_url": model_url, "api_key": "test-key", "model": "fake-embed"},
         store={"url": f"sqlite:///{tmp_path}/chat.db"},
         server={"keepalive_seconds": 15.0, "shutdown_grace_seconds": 2.0},

@@ -65,7 +65,12 @@ def test_app_config_points_elsewhere(tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ["[server]\nport = 'x'\n", "[server]\nnope = 1\n", "server = 3\n", "[llm]\ntimeout_seconds = true\n"],
+    [
+        "[server]\nport = 'x'\n",
+        "[server]\nnope = 1\n",
+        "server = 3\n",
+        "[llm]\ntimeout_seconds = true\n",
+    ],
 )
 def test_bad_file_values_fail_at_start(tmp_path, text):
     with pytest.raises(ConfigError):

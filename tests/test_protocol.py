@@ -32,15 +32,27 @@ def test_full_request_is_parsed_with_defaults():
         {
             "type": "message",
             "userId": 7130314803843072,
-            "message": {"messageId": "71383373052067817", "chatId": 7138337258229764, "content": "what is x"},
+            "message": {
+                "messageId": "71383373052067817",
+                "chatId": 7138337258229764,
+                "content": "what is x",
+            },
             "history": [["human", "q"], ["assistant", "a"], ["ai", "b"]],
         }
     )
     assert request.user_id == "7130314803843072"
     assert request.chat_id == "7138337258229764"
     assert request.message_id == "71383373052067817"
-    assert (request.focus_mode, request.optimization_mode, request.copilot_enabled, request.format) == (
-        "webSearch", "speed", True, "default",
+    assert (
+        request.focus_mode,
+        request.optimization_mode,
+        request.copilot_enabled,
+        request.format,
+    ) == (
+        "webSearch",
+        "speed",
+        True,
+        "default",
     )
     assert request.history == (("user", "q"), ("assistant", "a"), ("assistant", "b"))
 
@@ -115,14 +127,24 @@ def test_event_ids():
 
 def test_control_frames():
     control = parse_control({"type": "resume", "chatId": "5", "userId": 0, "lastEventId": "9:2"})
-    assert (control.type, control.chat_id, control.user_id, control.last_event_id) == ("resume", "5", "0", "9:2")
+    assert (control.type, control.chat_id, control.user_id, control.last_event_id) == (
+        "resume",
+        "5",
+        "0",
+        "9:2",
+    )
     with pytest.raises(BadRequest):
         parse_control({"type": "resume", "lastEventId": 3})
 
 
 def test_default_rendering_puts_ids_as_strings_and_omits_message_id_on_rewrited():
     message = Event("message", "11", "22", {"data": "hi"}, 3)
-    assert render_default(message) == {"type": "message", "data": "hi", "messageId": "22", "chatId": "11"}
+    assert render_default(message) == {
+        "type": "message",
+        "data": "hi",
+        "messageId": "22",
+        "chatId": "11",
+    }
     rewrited = Event("rewrited", "11", "22", {"content": "q?"}, 1)
     assert render_default(rewrited) == {"type": "rewrited", "content": "q?", "chatId": "11"}
     end = Event("messageEnd", "11", "22", {"status": "completed", "questionMessageId": "21"}, 9)
@@ -132,15 +154,46 @@ def test_default_rendering_puts_ids_as_strings_and_omits_message_id_on_rewrited(
 
 def test_simple_rendering_maps_every_type():
     meta = {"chatId": "11", "messageId": "22"}
-    src = [{"metadata": {"title": "t", "url": "u"}, "pageContent": "p"}, {"metadata": {"title": "All Sources", "url": "//h/sources/1"}}]
+    src = [
+        {"metadata": {"title": "t", "url": "u"}, "pageContent": "p"},
+        {"metadata": {"title": "All Sources", "url": "//h/sources/1"}},
+    ]
     cases = [
-        (Event("rewrited", "11", "22", {"content": "q?"}, 1), {"type": "info", "content": "q?"}, {"kind": "rewrited"}),
-        (Event("sources", "11", "22", {"data": src}, 2), {"type": "info", "content": "1 sources"}, {"kind": "sources", "sources": src}),
-        (Event("progress", "11", "22", {"data": "searching"}, 3), {"type": "info", "content": "searching"}, {"kind": "progress"}),
-        (Event("reasoning", "11", "22", {"data": "hm"}, 4), {"type": "info", "content": "hm"}, {"kind": "reasoning"}),
-        (Event("message", "11", "22", {"data": "tok"}, 5), {"type": "answer", "content": "tok"}, {}),
-        (Event("messageEnd", "11", "22", {"status": "cancelled"}, 6), {"type": "complete"}, {"status": "cancelled"}),
-        (Event("error", "11", "22", {"key": "STREAM_ERROR", "data": "boom"}, 7), {"type": "error", "content": "boom"}, {"key": "STREAM_ERROR"}),
+        (
+            Event("rewrited", "11", "22", {"content": "q?"}, 1),
+            {"type": "info", "content": "q?"},
+            {"kind": "rewrited"},
+        ),
+        (
+            Event("sources", "11", "22", {"data": src}, 2),
+            {"type": "info", "content": "1 sources"},
+            {"kind": "sources", "sources": src},
+        ),
+        (
+            Event("progress", "11", "22", {"data": "searching"}, 3),
+            {"type": "info", "content": "searching"},
+            {"kind": "progress"},
+        ),
+        (
+            Event("reasoning", "11", "22", {"data": "hm"}, 4),
+            {"type": "info", "content": "hm"},
+            {"kind": "reasoning"},
+        ),
+        (
+            Event("message", "11", "22", {"data": "tok"}, 5),
+            {"type": "answer", "content": "tok"},
+            {},
+        ),
+        (
+            Event("messageEnd", "11", "22", {"status": "cancelled"}, 6),
+            {"type": "complete"},
+            {"status": "cancelled"},
+        ),
+        (
+            Event("error", "11", "22", {"key": "STREAM_ERROR", "data": "boom"}, 7),
+            {"type": "error", "content": "boom"},
+            {"key": "STREAM_ERROR"},
+        ),
     ]
     for event, expected, extra_meta in cases:
         out = render_simple(event)

@@ -44,7 +44,11 @@ def shape(events):
 
 
 async def test_sse_stream_has_the_documented_sequence_ids_and_headers(client, fake_model):
-    async with client.stream("POST", "/api/chat/sse", json=chat_body("hello", chatId="7138337258229764", messageId="71383373052067817")) as response:
+    async with client.stream(
+        "POST",
+        "/api/chat/sse",
+        json=chat_body("hello", chatId="7138337258229764", messageId="71383373052067817"),
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
         assert response.headers["cache-control"] == "no-cache"
@@ -74,7 +78,9 @@ async def test_both_transports_produce_the_same_events(server, client, fake_mode
     assert shape(sse_events) == shape(ws_frames)
     assert len(sse_events) == 1 + 3 + 7 + 1
     answer_id = ws_frames[0]["messageId"]
-    assert [f["eventId"] for f in ws_frames] == [f"{answer_id}:{i}" for i in range(1, len(ws_frames) + 1)]
+    assert [f["eventId"] for f in ws_frames] == [
+        f"{answer_id}:{i}" for i in range(1, len(ws_frames) + 1)
+    ]
 
 
 async def test_websocket_at_root_path_and_ping(server, fake_model):
@@ -89,7 +95,10 @@ async def test_websocket_at_root_path_and_ping(server, fake_model):
 async def test_several_chats_run_at_once_on_one_socket(server, fake_model):
     async with await open_ws(server) as ws:
         await ws.receive_text()
-        bodies = [chat_body(f"chat {i} #tokens={3 + i} #delay=0.01", chatId=str(1000 + i)) for i in range(3)]
+        bodies = [
+            chat_body(f"chat {i} #tokens={3 + i} #delay=0.01", chatId=str(1000 + i))
+            for i in range(3)
+        ]
         for body in bodies:
             await ws.send_text(orjson.dumps(body).decode())
         by_chat: dict[str, list] = {}
@@ -108,7 +117,9 @@ async def test_several_chats_run_at_once_on_one_socket(server, fake_model):
     assert len(fake_model.streams) == 3
 
 
-async def test_upstream_keepalives_become_keepalive_frames_and_ping_comments(server, client, fake_model):
+async def test_upstream_keepalives_become_keepalive_frames_and_ping_comments(
+    server, client, fake_model
+):
     body = chat_body("slow start #keepalive=2")
     async with await open_ws(server) as ws:
         await ws.receive_text()
@@ -128,7 +139,9 @@ async def test_upstream_keepalives_become_keepalive_frames_and_ping_comments(ser
 async def test_idle_sse_stream_gets_ping_comments(settings, fake_model):
     with serve(create_app(settings.replace(server={"keepalive_seconds": 0.2}))) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
-            async with http.stream("POST", "/api/chat/sse", json=chat_body("slow #tokens=3 #delay=0.35")) as response:
+            async with http.stream(
+                "POST", "/api/chat/sse", json=chat_body("slow #tokens=3 #delay=0.35")
+            ) as response:
                 items = [e async for e in iter_sse(response)]
     pings = [i for i in items if i == ": ping"]
     assert len(pings) >= 2
@@ -163,7 +176,9 @@ async def test_each_focus_mode_sends_its_system_prompt(client, fake_model, focus
 
 
 async def test_web_search_without_copilot_answers_from_the_model_alone(client, fake_model):
-    events = await sse_chat(client, chat_body("question", focusMode="webSearch", copilotEnabled=False))
+    events = await sse_chat(
+        client, chat_body("question", focusMode="webSearch", copilotEnabled=False)
+    )
     assert [e.type for e in events if e.type not in ("message", "reasoning")] == ["messageEnd"]
     assert "helpful, knowledgeable assistant" in fake_model.last_system_prompt()
 

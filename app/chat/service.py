@@ -121,7 +121,9 @@ class ChatService:
         else:
             raise BadRequest("resume needs chatId or Last-Event-ID")
         if handle is None:
-            raise NotFound("no generation to resume for this chat (finished and expired, or never started)")
+            raise NotFound(
+                "no generation to resume for this chat (finished and expired, or never started)"
+            )
         if user_id is not None and handle.user_id != user_id:
             raise Forbidden("this chat belongs to another user")
         return handle, seq
@@ -140,7 +142,9 @@ class ChatService:
         """3 to 5 follow-up questions for a conversation (small model)."""
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
-        prompt = self.prompts.render("suggestions", history=format_history(history[-HISTORY_MESSAGES:]))
+        prompt = self.prompts.render(
+            "suggestions", history=format_history(history[-HISTORY_MESSAGES:])
+        )
         text = await self.llm.complete([{"role": "user", "content": prompt}])
         lines = [_clean_line(line) for line in text.splitlines()]
         return [line for line in lines if line][:5]
@@ -217,7 +221,9 @@ class ChatService:
 class Generation:
     """One answer being generated: runs as its own task, owned by the service."""
 
-    def __init__(self, service: ChatService, request: ChatRequest, handle: Handle, chat: Chat | None) -> None:
+    def __init__(
+        self, service: ChatService, request: ChatRequest, handle: Handle, chat: Chat | None
+    ) -> None:
         self.service = service
         self.request = request
         self.handle = handle
@@ -268,7 +274,9 @@ class Generation:
             chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
             if await svc.store.create_chat(chat):
                 svc.spawn(svc.make_title(h.chat_id, req.content))
-        history = list(req.history) if req.history is not None else await svc.stored_history(h.chat_id)
+        history = (
+            list(req.history) if req.history is not None else await svc.stored_history(h.chat_id)
+        )
 
         rewritten = None
         if len(req.content) > REWRITE_MIN_CHARS or history:
@@ -281,7 +289,15 @@ class Generation:
             StoredMessage(h.question_id, h.chat_id, "user", req.content, now, rewritten=rewritten)
         )
         await svc.store.add_message(
-            StoredMessage(h.answer_id, h.chat_id, "assistant", "", now, status="streaming", reply_to=h.question_id)
+            StoredMessage(
+                h.answer_id,
+                h.chat_id,
+                "assistant",
+                "",
+                now,
+                status="streaming",
+                reply_to=h.question_id,
+            )
         )
         self.answer_saved = True
 
@@ -309,7 +325,9 @@ class Generation:
         date = datetime.now(UTC).isoformat(timespec="seconds")
         if mode.searches and req.copilot_enabled:
             if svc.search is None:
-                self.out.emit("progress", data="web search is not available; answering without sources")
+                self.out.emit(
+                    "progress", data="web search is not available; answering without sources"
+                )
                 return svc.prompts.render(PLAIN_PROMPT, date=date)
             return await svc.search.system_prompt(self, question, date)
         if mode.searches:  # webSearch with copilot off: the model alone
@@ -340,16 +358,17 @@ class Generation:
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:
-    return "\n".join(f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history)
+    return "\n".join(
+        f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history
+    )
 
 
 def _clean_line(line: str) -> str:
     line = line.strip()
     for prefix in ("- ", "* ", "• "):
         if line.startswith(prefix):
-            line = line[len(prefix):]
+            line = line[len(prefix) :]
     head, dot, rest = line.partition(". ")
     if dot and head.isdigit():
         line = rest
     return line.strip()
-

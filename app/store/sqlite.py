@@ -42,7 +42,9 @@ MIGRATIONS = (
     """,
 )
 
-_MESSAGE_COLUMNS = "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
+_MESSAGE_COLUMNS = (
+    "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
+)
 
 
 def sqlite_path(url: str) -> str:
@@ -50,7 +52,7 @@ def sqlite_path(url: str) -> str:
     prefix = "sqlite:///"
     if not url.startswith(prefix):
         raise ValueError(f"unsupported store URL {url!r}: expected sqlite:///path")
-    path = url[len(prefix):]
+    path = url[len(prefix) :]
     if not path:
         raise ValueError("sqlite URL has no path")
     return path
@@ -116,7 +118,8 @@ class SQLiteStore(Store):
 
     async def get_chat(self, chat_id: str) -> Chat | None:
         async with self.db.execute(
-            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE id = ?", (int(chat_id),)
+            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE id = ?",
+            (int(chat_id),),
         ) as cur:
             row = await cur.fetchone()
         return _chat(row) if row else None
@@ -164,7 +167,9 @@ class SQLiteStore(Store):
         )
         return count == 1
 
-    async def finish_message(self, message_id: str, *, content: str, reasoning: str, status: str) -> None:
+    async def finish_message(
+        self, message_id: str, *, content: str, reasoning: str, status: str
+    ) -> None:
         await self._write(
             "UPDATE messages SET content = ?, reasoning = ?, status = ? WHERE id = ?",
             (content, reasoning, status, int(message_id)),
@@ -200,7 +205,9 @@ async def _run_script(db: aiosqlite.Connection, script: str) -> None:
 
 
 def _chat(row: Any) -> Chat:
-    return Chat(id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4])
+    return Chat(
+        id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4]
+    )
 
 
 def _message(row: Any) -> StoredMessage:

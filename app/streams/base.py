@@ -88,7 +88,9 @@ class GenerationLog:
                 seen_keepalives = self.keepalives
                 last = self.events[-1] if self.events else None
                 h = self.handle
-                yield [Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)]
+                yield [
+                    Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
+                ]
                 continue
             await self.wait()
 

@@ -52,7 +52,9 @@ class WebSocketEmitter(Emitter):
 
     async def open(self, handle: Handle) -> None:
         if self.format == "simple":
-            await self.writer.send([render_simple_start(handle.chat_id, handle.answer_id, handle.question)])
+            await self.writer.send(
+                [render_simple_start(handle.chat_id, handle.answer_id, handle.question)]
+            )
 
     async def emit(self, events: Sequence[Event]) -> None:
         frames = []
@@ -76,7 +78,9 @@ async def endpoint(websocket: WebSocket) -> None:
     relays: set[asyncio.Task[None]] = set()
 
     def follow(handle: Handle, fmt: str, after_seq: int = 0) -> None:
-        task = asyncio.create_task(_relay(service, handle, WebSocketEmitter(writer, fmt), after_seq))
+        task = asyncio.create_task(
+            _relay(service, handle, WebSocketEmitter(writer, fmt), after_seq)
+        )
         relays.add(task)
         task.add_done_callback(relays.discard)
 
@@ -110,9 +114,16 @@ async def endpoint(websocket: WebSocket) -> None:
                     if control.chat_id is None:
                         raise BadRequest("cancel needs chatId")
                     handle = await service.cancel(control.chat_id, control.user_id)
-                    await writer.send([
-                        {"type": "cancelled", "chatId": handle.chat_id, "messageId": handle.answer_id, "cancelled": True}
-                    ])
+                    await writer.send(
+                        [
+                            {
+                                "type": "cancelled",
+                                "chatId": handle.chat_id,
+                                "messageId": handle.answer_id,
+                                "cancelled": True,
+                            }
+                        ]
+                    )
                 elif kind == "resume":
                     control = parse_control(body)
                     handle, seq = await service.find_resumable(

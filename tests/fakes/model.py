@@ -165,7 +165,9 @@ class FakeModel:
             {"object": "embedding", "index": i, "embedding": embed(text, self.embedding_dims)}
             for i, text in enumerate(inputs)
         ]
-        return JSONResponse({"object": "list", "data": data, "model": body.get("model", "fake-embed")})
+        return JSONResponse(
+            {"object": "list", "data": data, "model": body.get("model", "fake-embed")}
+        )
 
 
 THINK_ANSWER = "The answer."
@@ -202,12 +204,32 @@ def _completion(text: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": 0,
         "model": "fake",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
 
 
 def _error(status: int, message: str) -> Response:
     return JSONResponse(
-        {"error": {"message": message, "type": "fake_error", "code": str(status)}}, status_code=status
+        {"error": {"message": message, "type": "fake_error", "code": str(status)}},
+        status_code=status,
     )
+
+
+def main() -> None:
+    """`python -m tests.fakes.model --port N`: serve the fake model on its own (benchmarks)."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    uvicorn.run(FakeModel().app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

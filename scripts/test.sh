@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up and runs the test suite on a new machine (Debian/Ubuntu, Python 3.11+):
+# a virtualenv with the package and its test extras, the services the tests
+# start on loopback (redis-server, PostgreSQL, Chromium), then ruff and pytest.
+# Extra arguments go to pytest: scripts/test.sh -k cancel -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+.venv/bin/ruff check app tests bench
+exec .venv/bin/python -m pytest "$@"
