@@ -100,6 +100,8 @@ class RedisSettings:
 class StreamSettings:
     replay_ttl_seconds: float = 300.0
     max_queue_events: int = 1024
+    handle_ttl_seconds: float = 15.0
+    flush_interval_ms: float = 50.0
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,12 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         the_store = store or open_store(settings.store.url)
         the_hub = hub or open_hub(
-            settings.redis.url, replay_ttl=settings.stream.replay_ttl_seconds, process=process
+            settings.redis.url,
+            replay_ttl=settings.stream.replay_ttl_seconds,
+            process=process,
+            handle_ttl=settings.stream.handle_ttl_seconds,
+            flush_interval=settings.stream.flush_interval_ms / 1000,
+            max_generation_seconds=settings.llm.timeout_seconds,
         )
         the_llm = llm or LLMClient(settings.llm)
         async with contextlib.AsyncExitStack() as stack:

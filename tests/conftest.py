@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from app.config import Settings
 from app.main import create_app
 from tests.fakes.model import DEFAULT_REPLIES, FakeModel
-from tests.servers import ServerThread, serve
+from tests.servers import ServerThread, free_port, serve, wait_for_port
 
 
 @pytest.fixture
@@ -64,3 +67,46 @@ def server(settings: Settings) -> Iterator[ServerThread]:
 async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
         yield http
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port for the whole run."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run `bash scripts/test.sh`, which installs it")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for_port(port)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The shared Redis, emptied for this test."""
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return redis_server

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerThread:
@@ -71,3 +80,89 @@ def serve(app: Any, **config: Any) -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+class AppProcess:
+    """The server as its own process (`python -m app`), configured by environment."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            **env,
+            "PORT": str(self.port),
+            "SERVER_HOST": "127.0.0.1",
+            "APP_CONFIG": "",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_file = tempfile.NamedTemporaryFile(prefix="app-", suffix=".log", delete=False)  # noqa: SIM115
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def start(self) -> AppProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app"],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for_port(self.port)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+
+    def output(self) -> str:
+        """What the process logged so far (for failing tests)."""
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def processes(count: int, env: dict[str, str]) -> Iterator[list[AppProcess]]:
+    started: list[AppProcess] = []
+    try:
+        for _ in range(count):
+            started.append(AppProcess(env).start())
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()

@@ -231,28 +231,38 @@ class Generation:
         self.out: RecordingEmitter
         self.task: asyncio.Task[None] | None = None
         self.cancel_requested = False
+        self.started = False
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.answer_saved = False
+        self.rewritten: str | None = None
 
     def request_cancel(self) -> None:
-        """Called by the hub when a cancel arrives; safe to call more than once."""
-        if self.cancel_requested or self.task is None or self.task.done():
+        """Called by the hub when a cancel arrives (even before the task started);
+        safe to call more than once."""
+        if self.cancel_requested:
             return
         self.cancel_requested = True
-        self.task.cancel()
+        # a task cancelled before its first step would never run its cleanup:
+        # before then, the flag alone is enough (run() looks at it first)
+        if self.started and self.task is not None and not self.task.done():
+            self.task.cancel()
 
     async def run(self) -> None:
         status, error = "failed", None
         external_cancel = False
+        self.started = True
         try:
+            if self.cancel_requested:  # cancelled before the task first ran
+                raise asyncio.CancelledError
             async with asyncio.timeout(self.service.settings.llm.timeout_seconds):
                 await self._generate()
             status = "completed"
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self.cancel_requested and task is not None:
-                task.uncancel()
+                if task.cancelling():
+                    task.uncancel()
             else:
                 external_cancel = True  # shutdown: finish cleanly, then let it propagate
             status = "cancelled"
@@ -268,38 +278,19 @@ class Generation:
             raise asyncio.CancelledError
 
     async def _generate(self) -> None:
-        svc, req, h = self.service, self.request, self.handle
-        if self.chat is None:
-            title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
-            chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
-            if await svc.store.create_chat(chat):
-                svc.spawn(svc.make_title(h.chat_id, req.content))
+        svc, req = self.service, self.request
+        await self._save_chat()
         history = (
-            list(req.history) if req.history is not None else await svc.stored_history(h.chat_id)
+            list(req.history)
+            if req.history is not None
+            else await svc.stored_history(self.handle.chat_id)
         )
-
-        rewritten = None
         if len(req.content) > REWRITE_MIN_CHARS or history:
-            rewritten = await svc.rewrite(req.content, history)
-            if rewritten:
-                self.out.emit("rewrited", content=rewritten)
-
-        now = time.time()
-        await svc.store.add_message(
-            StoredMessage(h.question_id, h.chat_id, "user", req.content, now, rewritten=rewritten)
-        )
-        await svc.store.add_message(
-            StoredMessage(
-                h.answer_id,
-                h.chat_id,
-                "assistant",
-                "",
-                now,
-                status="streaming",
-                reply_to=h.question_id,
-            )
-        )
-        self.answer_saved = True
+            self.rewritten = await svc.rewrite(req.content, history)
+            if self.rewritten:
+                self.out.emit("rewrited", content=self.rewritten)
+        await self._save_question("streaming")
+        rewritten = self.rewritten
 
         mode = MODES[req.focus_mode]
         system = await self._system_prompt(mode, rewritten or req.content)
@@ -320,6 +311,39 @@ class Generation:
             else:
                 self.out.keepalive()
 
+    async def _save_chat(self) -> None:
+        if self.chat is not None:
+            return
+        svc, req, h = self.service, self.request, self.handle
+        title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
+        self.chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
+        if await svc.store.create_chat(self.chat):
+            svc.spawn(svc.make_title(h.chat_id, req.content))
+
+    async def _save_question(self, answer_status: str) -> None:
+        """Save the question and the answer's row (once; also when cancelled early)."""
+        if self.answer_saved:
+            return
+        store, req, h = self.service.store, self.request, self.handle
+        now = time.time()
+        await store.add_message(
+            StoredMessage(
+                h.question_id, h.chat_id, "user", req.content, now, rewritten=self.rewritten
+            )
+        )
+        await store.add_message(
+            StoredMessage(
+                h.answer_id,
+                h.chat_id,
+                "assistant",
+                "",
+                now,
+                status=answer_status,
+                reply_to=h.question_id,
+            )
+        )
+        self.answer_saved = True
+
     async def _system_prompt(self, mode: Any, question: str) -> str:
         svc, req = self.service, self.request
         date = datetime.now(UTC).isoformat(timespec="seconds")
@@ -337,24 +361,23 @@ class Generation:
     async def _finish(self, status: str, error: AppError | None) -> None:
         svc, h = self.service, self.handle
         try:
-            if self.answer_saved:
-                await svc.store.finish_message(
-                    h.answer_id,
-                    content="".join(self.content),
-                    reasoning="".join(self.reasoning),
-                    status=status if error is None else "failed",
-                )
+            await self._save_chat()
+            await self._save_question(status)
+            await svc.store.finish_message(
+                h.answer_id,
+                content="".join(self.content),
+                reasoning="".join(self.reasoning),
+                status=status if error is None else "failed",
+            )
         except Exception:
             log.exception("saving answer %s failed", h.answer_id)
             if error is None:
                 error = AppError("the answer could not be saved")
-        try:
-            if error is not None:
-                self.out.emit("error", key=error.key, data=error.message)
-            else:
-                self.out.emit("messageEnd", status=status, questionMessageId=h.question_id)
-        finally:
-            await svc.hub.unregister(h)
+        if error is not None:
+            terminal = self.out.next("error", key=error.key, data=error.message)
+        else:
+            terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
+        await svc.hub.finish(h, terminal)
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from .base import GenerationLog, Handle, StreamHub
 
 
-def open_hub(url: str, *, replay_ttl: float, process: str) -> StreamHub:
+def open_hub(url: str, *, replay_ttl: float, process: str, **redis_options: float) -> StreamHub:
     """`memory://` (or empty) for one process, `redis://…` / `rediss://…` for many.
 
-    Raises ValueError for another scheme.
+    `redis_options` (handle_ttl, flush_interval, max_generation_seconds) tune
+    the Redis hub. Raises ValueError for another scheme.
     """
     scheme = url.partition(":")[0].lower() if url else "memory"
     if scheme == "memory":
@@ -18,7 +19,7 @@ def open_hub(url: str, *, replay_ttl: float, process: str) -> StreamHub:
     if scheme in ("redis", "rediss", "unix"):
         from .redis import RedisHub
 
-        return RedisHub(url, replay_ttl=replay_ttl, process=process)
+        return RedisHub(url, replay_ttl=replay_ttl, process=process, **redis_options)
     raise ValueError(f"unsupported redis URL {url!r}: use redis:// or leave it empty")
 
 

@@ -122,8 +122,11 @@ class StreamHub(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def unregister(self, handle: Handle) -> None:
-        """Release the chat (after the log got its terminal event). Idempotent."""
+    async def finish(self, handle: Handle, terminal: Event) -> None:
+        """End a generation: make `terminal` (its last event) durable, release the
+        chat, then hand `terminal` to live readers — so a client that saw the
+        end can start the chat's next generation at once. Never raises for an
+        unreachable backend (the claim then expires by itself)."""
 
     @abc.abstractmethod
     async def lookup(self, chat_id: str) -> Handle | None:

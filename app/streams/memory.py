@@ -30,15 +30,39 @@ class MemoryHub(StreamHub):
         if handle.chat_id in self._running:
             raise BadRequest("a generation is already running for this chat")
         self._running[handle.chat_id] = (handle, on_cancel)
-        log = GenerationLog(handle)
+        log = self._new_log(handle)
         self._logs[handle.answer_id] = log
         self._latest[handle.chat_id] = handle.answer_id
         return log
 
-    async def unregister(self, handle: Handle) -> None:
+    def _new_log(self, handle: Handle) -> GenerationLog:
+        return GenerationLog(handle)
+
+    def _local(self, answer_id: str) -> GenerationLog | None:
+        return self._logs.get(answer_id)
+
+    def _local_cancel(self, answer_id: str) -> bool:
+        """Cancel a generation of this process by answer id; False when it is not here."""
+        log = self._logs.get(answer_id)
+        entry = self._running.get(log.handle.chat_id) if log else None
+        if entry is None or entry[0].answer_id != answer_id:
+            return False
+        entry[1]()
+        return True
+
+    async def finish(self, handle: Handle, terminal: Event) -> None:
+        self._release(handle)
+        log = self._logs.get(handle.answer_id)
+        if log is not None:
+            GenerationLog.append(log, terminal)
+        self._keep_for_replay(handle)
+
+    def _release(self, handle: Handle) -> None:
         entry = self._running.get(handle.chat_id)
         if entry is not None and entry[0].answer_id == handle.answer_id:
             del self._running[handle.chat_id]
+
+    def _keep_for_replay(self, handle: Handle) -> None:
         if handle.answer_id in self._logs and handle.answer_id not in self._expiry:
             loop = asyncio.get_running_loop()
             self._expiry[handle.answer_id] = loop.call_later(self.replay_ttl, self._expire, handle)
@@ -54,9 +78,7 @@ class MemoryHub(StreamHub):
         return entry[0] if entry else None
 
     async def cancel(self, handle: Handle) -> None:
-        entry = self._running.get(handle.chat_id)
-        if entry is not None and entry[0].answer_id == handle.answer_id:
-            entry[1]()
+        self._local_cancel(handle.answer_id)
 
     async def latest(self, chat_id: str) -> Handle | None:
         answer_id = self._latest.get(chat_id)

@@ -48,10 +48,15 @@ class RecordingEmitter:
         self.seq = 0
 
     def emit(self, type: str, **data: Any) -> Event:
-        self.seq += 1
-        event = Event(type, self.chat_id, self.message_id, data, self.seq)
+        event = self.next(type, **data)
         self.log.append(event)
         return event
+
+    def next(self, type: str, **data: Any) -> Event:
+        """The next numbered event, not yet appended (the terminal one goes through
+        `StreamHub.finish`)."""
+        self.seq += 1
+        return Event(type, self.chat_id, self.message_id, data, self.seq)
 
     def keepalive(self) -> None:
         self.log.append(Event("keep-alive", self.chat_id, self.message_id))

@@ -6,6 +6,7 @@ message, so one test can pick it per request:
     #tokens=N      N content tokens "tok0 ", "tok1 ", … (default 5)
     #reasoning=N   N reasoning tokens "why0 ", … sent first (default 2)
     #delay=S       seconds between tokens (default 0)
+    #wait=S        seconds before the first chunk
     #keepalive=N   N ": keep-alive" comments before the first token
     #fail=CODE     answer HTTP CODE with an OpenAI-style error body
     #break=N       drop the connection after N content tokens
@@ -126,6 +127,8 @@ class FakeModel:
         break_at = int(script["break"]) if "break" in script else None
         malformed_at = int(script["malformed"]) if "malformed" in script else None
         try:
+            if "wait" in script:
+                await asyncio.sleep(float(script["wait"]))
             yield _chunk({"role": "assistant", "content": ""})
             for _ in range(keepalives):
                 yield b": keep-alive\n\n"

@@ -1,0 +1,391 @@
+"""`redis://`: the registry and event logs shared by every server process.
+
+Keys (all under `sc:`):
+
+    run:{chatId}      the running generation's handle (JSON); SET NX claims the chat,
+                      a TTL of `handle_ttl` refreshed by the owner's heartbeat makes
+                      a dead process's claim expire
+    gen:{answerId}    the handle, kept while the events are (for resume)
+    latest:{chatId}   the chat's newest answer id
+    log:{answerId}    a Redis Stream; each entry holds a batch of events (JSON)
+    cancel:{answerId} a short-lived cancel flag, in case pub/sub misses the owner
+    channel sc:cancel pub/sub: answer ids to cancel
+
+A generation appends to its local log (which local clients follow with no
+Redis round trip); a flusher writes the new events of every generation of the
+process in one pipeline every `flush_interval` (one XADD per generation per
+flush, never a rewrite of what was written). Clients on other processes replay
+the stream and follow it with XREAD BLOCK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..errors import AppError, BadRequest
+from ..protocol import Event
+from .base import GenerationLog, Handle
+from .memory import MemoryHub
+
+log = logging.getLogger("app.streams")
+
+PREFIX = "sc:"
+CHANNEL = PREFIX + "cancel"
+LOG_CAP = 100_000  # entries (batches) per generation, approximate
+BLOCK_MS = 1000
+
+
+class RedisUnavailable(AppError):
+    """Redis could not be reached for an operation that needs it."""
+
+    key = "INTERNAL"
+    status = 503
+
+
+class RedisGenerationLog(GenerationLog):
+    __slots__ = ("hub", "pending", "flushed_once")
+
+    def __init__(self, handle: Handle, hub: RedisHub) -> None:
+        super().__init__(handle)
+        self.hub = hub
+        self.pending: list[Event] = []
+        self.flushed_once = False
+
+    def append(self, event: Event) -> None:
+        super().append(event)
+        if event.seq:
+            self.pending.append(event)
+            self.hub._mark_dirty(self, urgent=event.terminal)
+
+
+class RedisHub(MemoryHub):
+    def __init__(
+        self,
+        url: str,
+        *,
+        replay_ttl: float,
+        process: str,
+        handle_ttl: float = 15.0,
+        flush_interval: float = 0.05,
+        max_generation_seconds: float = 600.0,
+    ) -> None:
+        super().__init__(replay_ttl=replay_ttl, process=process)
+        self.url = url
+        self.handle_ttl_ms = int(handle_ttl * 1000)
+        self.flush_interval = flush_interval
+        self.max_generation_ms = int(max_generation_seconds * 1000)
+        self.redis: aioredis.Redis = aioredis.from_url(url, protocol=2)
+        self._dirty: dict[str, RedisGenerationLog] = {}
+        self._wake = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def open(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._flusher(), name="redis-flusher"),
+            asyncio.create_task(self._listener(), name="redis-cancel-listener"),
+            asyncio.create_task(self._heartbeat(), name="redis-heartbeat"),
+        ]
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._flush()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await task
+        await super().close()
+        await self.redis.aclose()
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    # -- registry -------------------------------------------------------------------
+
+    def _new_log(self, handle: Handle) -> GenerationLog:
+        return RedisGenerationLog(handle, self)
+
+    async def register(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
+        payload = _dump_handle(handle)
+        try:
+            claimed = await self.redis.set(
+                _run(handle.chat_id), payload, nx=True, px=self.handle_ttl_ms
+            )
+            if not claimed:
+                raise BadRequest("a generation is already running for this chat")
+            keep = self.max_generation_ms + int(self.replay_ttl * 1000)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(_gen(handle.answer_id), payload, px=keep)
+                pipe.set(_latest(handle.chat_id), handle.answer_id, px=keep)
+                await pipe.execute()
+        except RedisError as exc:
+            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+        return await super().register(handle, on_cancel)
+
+    async def finish(self, handle: Handle, terminal: Event) -> None:
+        self._release(handle)
+        log_ = self._local(handle.answer_id)
+        ttl = int(self.replay_ttl * 1000)
+        try:
+            if isinstance(log_, RedisGenerationLog):
+                log_.pending.append(terminal)
+                self._mark_dirty(log_, urgent=True)
+                await self._flush()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.pexpire(_log(handle.answer_id), ttl)
+                pipe.pexpire(_gen(handle.answer_id), ttl)
+                pipe.pexpire(_latest(handle.chat_id), ttl)
+                pipe.delete(_cancel(handle.answer_id))
+                await pipe.execute()
+            # release the claim only if it is still ours
+            current = await self.redis.get(_run(handle.chat_id))
+            if current is not None and _load_handle(current).answer_id == handle.answer_id:
+                await self.redis.delete(_run(handle.chat_id))
+        except (RedisError, OSError) as exc:
+            log.warning("redis unavailable while finishing %s: %s", handle.answer_id, exc)
+        finally:
+            if log_ is not None:
+                GenerationLog.append(log_, terminal)
+            self._keep_for_replay(handle)
+
+    async def lookup(self, chat_id: str) -> Handle | None:
+        try:
+            raw = await self.redis.get(_run(chat_id))
+        except RedisError as exc:
+            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+        return _load_handle(raw) if raw else None
+
+    async def cancel(self, handle: Handle) -> None:
+        if self._local_cancel(handle.answer_id):
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(_cancel(handle.answer_id), b"1", px=max(self.handle_ttl_ms * 2, 60_000))
+                pipe.publish(CHANNEL, handle.answer_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+
+    async def latest(self, chat_id: str) -> Handle | None:
+        try:
+            answer_id = await self.redis.get(_latest(chat_id))
+        except RedisError as exc:
+            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+        return await self.find(answer_id.decode()) if answer_id else None
+
+    async def find(self, answer_id: str) -> Handle | None:
+        local = self._local(answer_id)
+        if local is not None:
+            return local.handle
+        try:
+            raw = await self.redis.get(_gen(answer_id))
+        except RedisError as exc:
+            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+        return _load_handle(raw) if raw else None
+
+    # -- the event log ----------------------------------------------------------------
+
+    def _mark_dirty(self, log_: RedisGenerationLog, urgent: bool) -> None:
+        self._dirty[log_.handle.answer_id] = log_
+        self._wake.set()
+        if urgent:
+            self._urgent.set()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.flush_interval):
+                    await self._urgent.wait()
+            try:
+                await self._flush()
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "redis unavailable, %d generations not flushed: %s", len(self._dirty), exc
+                )
+                await asyncio.sleep(0.5)
+
+    async def _flush(self) -> None:
+        """Write every pending event; serialised, so each log's entries stay in order."""
+        async with self._flush_lock:
+            self._wake.clear()
+            self._urgent.clear()
+            if not self._dirty:
+                return
+            dirty, self._dirty = self._dirty, {}
+            batches = []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for log_ in dirty.values():
+                    if not log_.pending:
+                        continue
+                    batch, log_.pending = log_.pending, []
+                    batches.append((log_, batch))
+                    key = _log(log_.handle.answer_id)
+                    pipe.xadd(key, {"e": _dump_events(batch)}, maxlen=LOG_CAP, approximate=True)
+                    if not log_.flushed_once:
+                        pipe.pexpire(key, self.max_generation_ms + int(self.replay_ttl * 1000))
+                try:
+                    await pipe.execute()
+                except BaseException:
+                    for log_, batch in batches:  # put them back, in front of newer ones
+                        log_.pending[:0] = batch
+                        self._dirty[log_.handle.answer_id] = log_
+                    raise
+            for log_, _ in batches:
+                log_.flushed_once = True
+
+    async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+        local = self._local(handle.answer_id)
+        if local is not None:
+            async for batch in local.follow(after_seq):
+                yield batch
+            return
+        async for batch in self._follow_remote(handle, after_seq):
+            yield batch
+
+    async def _follow_remote(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+        key = _log(handle.answer_id)
+        last_id: bytes | str = "0-0"
+        seq = after_seq
+        while True:
+            try:
+                response = await self.redis.xread({key: last_id}, block=BLOCK_MS)
+            except RedisError as exc:
+                raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+            entries = _entries(response)
+            if not entries:
+                if await self._alive(handle):
+                    continue
+                # one last read: the terminal entry may have landed just now
+                entries = _entries(await self.redis.xread({key: last_id}))
+                if not entries:
+                    yield [
+                        Event(
+                            "error",
+                            handle.chat_id,
+                            handle.answer_id,
+                            {
+                                "key": "STREAM_ERROR",
+                                "data": "generation lost: its server process stopped",
+                            },
+                            seq + 1,
+                        )
+                    ]
+                    return
+            for entry_id, fields in entries:
+                last_id = entry_id
+                batch = [e for e in _load_events(fields[b"e"], handle) if e.seq > seq]
+                if not batch:
+                    continue
+                seq = batch[-1].seq
+                yield batch
+                if batch[-1].terminal:
+                    return
+
+    async def _alive(self, handle: Handle) -> bool:
+        raw = await self.redis.get(_run(handle.chat_id))
+        return raw is not None and _load_handle(raw).answer_id == handle.answer_id
+
+    # -- background: cancels and heartbeats ------------------------------------------------
+
+    async def _listener(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(CHANNEL)
+                async for message in pubsub.listen():
+                    if message and message.get("type") == "message":
+                        self._local_cancel(message["data"].decode())
+            except (RedisError, OSError) as exc:
+                log.warning("cancel listener lost redis: %s", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+    async def _heartbeat(self) -> None:
+        interval = min(self.handle_ttl_ms / 3000, 2.0)
+        while True:
+            await asyncio.sleep(interval)
+            running = [entry[0] for entry in self._running.values()]
+            if not running:
+                continue
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for handle in running:
+                        pipe.pexpire(_run(handle.chat_id), self.handle_ttl_ms)
+                    for handle in running:
+                        pipe.exists(_cancel(handle.answer_id))
+                    results = await pipe.execute()
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat: redis unavailable: %s", exc)
+                continue
+            for handle, flagged in zip(running, results[len(running) :], strict=True):
+                if flagged:
+                    self._local_cancel(handle.answer_id)
+
+
+def _run(chat_id: str) -> str:
+    return f"{PREFIX}run:{chat_id}"
+
+
+def _gen(answer_id: str) -> str:
+    return f"{PREFIX}gen:{answer_id}"
+
+
+def _latest(chat_id: str) -> str:
+    return f"{PREFIX}latest:{chat_id}"
+
+
+def _log(answer_id: str) -> str:
+    return f"{PREFIX}log:{answer_id}"
+
+
+def _cancel(answer_id: str) -> str:
+    return f"{PREFIX}cancel:{answer_id}"
+
+
+_HANDLE_FIELDS = (
+    "chat_id",
+    "answer_id",
+    "question_id",
+    "user_id",
+    "question",
+    "process",
+    "started_at",
+)
+
+
+def _dump_handle(handle: Handle) -> bytes:
+    return orjson.dumps({name: getattr(handle, name) for name in _HANDLE_FIELDS})
+
+
+def _load_handle(raw: bytes) -> Handle:
+    return Handle(**orjson.loads(raw))
+
+
+def _dump_events(events: list[Event]) -> bytes:
+    return orjson.dumps([[e.seq, e.type, e.data, e.ts] for e in events])
+
+
+def _load_events(raw: bytes, handle: Handle) -> list[Event]:
+    return [
+        Event(kind, handle.chat_id, handle.answer_id, data, seq, ts)
+        for seq, kind, data, ts in orjson.loads(raw)
+    ]
+
+
+def _entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    return [entry for _key, entries in response or () for entry in entries]

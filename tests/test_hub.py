@@ -1,0 +1,175 @@
+"""One contract for the stream hub (registry, cancel, event log), run on memory and Redis.
+
+For Redis, `other` is a second hub on the same server, as another process
+would have; for memory it is the same hub (one process is all it serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.errors import BadRequest
+from app.protocol import Event
+from app.streams import Handle, StreamHub
+from app.streams.memory import MemoryHub
+from app.streams.redis import RedisHub
+
+pytestmark = pytest.mark.anyio
+
+
+def handle(chat="1", answer="100", user="7") -> Handle:
+    return Handle(
+        chat_id=chat,
+        answer_id=answer,
+        question_id="99",
+        user_id=user,
+        question="q?",
+        process="test",
+    )
+
+
+def events(h: Handle, types: list[str]) -> list[Event]:
+    return [Event(t, h.chat_id, h.answer_id, {"data": f"d{i}"}, i + 1) for i, t in enumerate(types)]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def hubs(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StreamHub, StreamHub]]:
+    if request.param == "memory":
+        hub = MemoryHub(replay_ttl=5)
+        async with hub:
+            yield hub, hub
+        return
+    url = request.getfixturevalue("redis_url")
+    options = {"replay_ttl": 5, "handle_ttl": 1.5, "flush_interval": 0.01}
+    async with (
+        RedisHub(url, process="A", **options) as a,
+        RedisHub(url, process="B", **options) as b,
+    ):
+        yield a, b
+
+
+async def collect(hub: StreamHub, h: Handle, after: int = 0, timeout: float = 5) -> list[Event]:
+    out: list[Event] = []
+    async with asyncio.timeout(timeout):
+        async for batch in hub.subscribe(h, after):
+            out.extend(batch)
+    return out
+
+
+async def test_register_claims_the_chat_until_finished(hubs):
+    owner, other = hubs
+    h = handle()
+    await owner.register(h, lambda: None)
+    assert await other.lookup("1") == h
+    with pytest.raises(BadRequest, match="already running"):
+        await other.register(handle(answer="101"), lambda: None)
+    await owner.finish(h, Event("messageEnd", "1", "100", {"status": "completed"}, 1))
+    assert await other.lookup("1") is None
+    await other.register(handle(answer="102"), lambda: None)  # free again
+
+
+async def test_cancel_reaches_the_owner_from_anywhere(hubs):
+    owner, other = hubs
+    h = handle()
+    cancelled = asyncio.Event()
+    await owner.register(h, cancelled.set)
+    await other.cancel(await other.lookup("1"))
+    async with asyncio.timeout(3):
+        await cancelled.wait()
+
+
+async def test_events_replay_from_any_seq_then_follow_live(hubs):
+    owner, other = hubs
+    h = handle()
+    log = await owner.register(h, lambda: None)
+    first = events(h, ["message", "reasoning", "message", "message"])
+    for e in first:
+        log.append(e)
+    log.append(Event("keep-alive", "1", "100"))  # unnumbered: never replayed
+
+    async def finish_later():
+        await asyncio.sleep(0.2)
+        log.append(Event("message", "1", "100", {"data": "late"}, 5))
+        await owner.finish(h, Event("messageEnd", "1", "100", {"status": "completed"}, 6))
+
+    finisher = asyncio.create_task(finish_later())
+    found = await other.find("100")
+    assert found == h
+    got = await collect(other, found, after=2)
+    await finisher
+    assert [e.seq for e in got] == [3, 4, 5, 6]
+    assert got[2].data == {"data": "late"} and got[-1].type == "messageEnd"
+    assert [e.seq for e in await collect(other, found)] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]  # finished: replays to its end
+    assert (await other.latest("1")).answer_id == "100"
+    assert await other.find("nope") is None
+
+
+async def test_live_readers_get_every_event_once_in_order(hubs):
+    owner, other = hubs
+    h = handle()
+    log = await owner.register(h, lambda: None)
+    readers = [asyncio.create_task(collect(hub, h)) for hub in (owner, other, other)]
+    await asyncio.sleep(0.05)
+    for i in range(1, 300):
+        log.append(Event("message", "1", "100", {"data": str(i)}, i))
+        if i % 50 == 0:
+            await asyncio.sleep(0.01)
+    await owner.finish(h, Event("messageEnd", "1", "100", {"status": "completed"}, 300))
+    for reader in readers:
+        assert [e.seq for e in await reader] == list(range(1, 301))
+
+
+async def test_redis_generation_lost_with_its_process_ends_with_an_error(redis_url):
+    options = {"replay_ttl": 5, "handle_ttl": 0.5, "flush_interval": 0.01}
+    dead = RedisHub(redis_url, process="dead", **options)
+    await dead.open()
+    h = handle()
+    log = await dead.register(h, lambda: None)
+    for e in events(h, ["message", "message"]):
+        log.append(e)
+    await dead._flush()
+    for task in dead._tasks:  # the process dies: no heartbeat, no finish
+        task.cancel()
+    async with RedisHub(redis_url, process="B", **options) as other:
+        got = await collect(other, await other.find("100"), timeout=10)
+        assert [e.seq for e in got] == [1, 2, 3]
+        assert got[-1].type == "error"
+        assert got[-1].data["key"] == "STREAM_ERROR" and "lost" in got[-1].data["data"]
+        assert await other.lookup("1") is None
+    await dead.redis.aclose()
+
+
+async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
+    options = {"replay_ttl": 5, "handle_ttl": 0.6, "flush_interval": 0.01}
+    async with (
+        RedisHub(redis_url, process="A", **options) as owner,
+        RedisHub(redis_url, process="B", **options) as other,
+    ):
+        owner._tasks[1].cancel()  # the owner's pub/sub listener is gone
+        h = handle()
+        cancelled = asyncio.Event()
+        await owner.register(h, cancelled.set)
+        await other.cancel(h)
+        async with asyncio.timeout(3):
+            await cancelled.wait()  # picked up by the heartbeat
+
+
+async def test_redis_batches_many_events_into_few_commands(redis_url):
+    async with RedisHub(redis_url, process="A", replay_ttl=5, flush_interval=0.05) as owner:
+        h = handle()
+        log = await owner.register(h, lambda: None)
+        for i in range(1, 1001):
+            log.append(Event("message", "1", "100", {"data": "x"}, i))
+        await asyncio.sleep(0.2)
+        entries = await owner.redis.xlen("sc:log:100")
+        assert 1 <= entries <= 5

@@ -1,0 +1,251 @@
+"""Stop and resume across two real server processes sharing Redis and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import orjson
+import pytest
+from httpx_ws import aconnect_ws
+
+from tests.client import SseEvent, answer_of, chat_body, iter_sse
+from tests.servers import processes
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def pair(tmp_path, redis_url, model_url):
+    env = {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-chat",
+        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "REDIS_URL": redis_url,
+        "STREAM_HANDLE_TTL_SECONDS": "1.5",
+        "STREAM_FLUSH_INTERVAL_MS": "10",
+    }
+    with processes(2, env) as (a, b):
+        yield a, b
+
+
+async def read_events(stream, count):
+    got = []
+    async for item in stream:
+        if isinstance(item, SseEvent):
+            got.append(item)
+            if len(got) == count:
+                break
+    return got
+
+
+async def rest(stream):
+    return [item async for item in stream if isinstance(item, SseEvent)]
+
+
+async def saved_answer(client, base_url, chat_id, status=None, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        chat = (await client.get(f"{base_url}/api/chats/{chat_id}")).json()
+        answer = chat["messages"][-1]
+        if status is None or answer["status"] == status or time.monotonic() > deadline:
+            return answer
+        await asyncio.sleep(0.05)
+
+
+async def test_cancel_on_another_process_stops_the_sse_stream_and_the_model_call(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=10) as http:
+        body = chat_body("long #tokens=500 #delay=0.02", chatId="900")
+        async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
+            stream = iter_sse(response)
+            head = await read_events(stream, 6)
+            answer_id = head[0].data["messageId"]
+            cancel = await http.post(
+                b.url + "/api/chat/cancel", json={"chatId": "900", "userId": "1"}
+            )
+            assert cancel.status_code == 200
+            assert cancel.json() == {"chatId": "900", "messageId": answer_id, "cancelled": True}
+            tail = await rest(stream)
+        events = head + tail
+        assert events[-1].type == "messageEnd"
+        assert events[-1].data["status"] == "cancelled"
+        assert [int(e.id.split(":")[1]) for e in events] == list(range(1, len(events) + 1))
+        record = await fake_model.wait_stream_end()
+        assert record.outcome == "client_closed"
+        assert record.tokens_sent < 500
+        answer = await saved_answer(http, b.url, "900", "cancelled")
+        assert answer["status"] == "cancelled"
+        assert answer["content"] == answer_of(events)
+        # nothing in flight any more
+        again = await http.post(a.url + "/api/chat/cancel", json={"chatId": "900", "userId": "1"})
+        assert again.status_code == 404 and again.json()["cancelled"] is False
+
+
+async def test_cancel_over_websocket_on_another_process(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=10) as http:
+        async with (
+            aconnect_ws(a.ws_url + "/api/chat/ws", http) as ws_a,
+            aconnect_ws(b.ws_url + "/api/chat/ws", http) as ws_b,
+        ):
+            await ws_a.receive_text()
+            await ws_b.receive_text()
+            await ws_a.send_text(
+                orjson.dumps(chat_body("long #tokens=500 #delay=0.02", chatId="901")).decode()
+            )
+            frames = [orjson.loads(await ws_a.receive_text()) for _ in range(5)]
+            await ws_b.send_text('{"type": "cancel", "chatId": "901", "userId": "1"}')
+            ack = orjson.loads(await ws_b.receive_text())
+            assert ack == {
+                "type": "cancelled",
+                "chatId": "901",
+                "messageId": frames[0]["messageId"],
+                "cancelled": True,
+            }
+            while frames[-1]["type"] not in ("messageEnd", "error"):
+                frames.append(orjson.loads(await ws_a.receive_text()))
+            assert frames[-1]["type"] == "messageEnd" and frames[-1]["status"] == "cancelled"
+            await ws_b.send_text('{"type": "cancel", "chatId": "901", "userId": "1"}')
+            assert orjson.loads(await ws_b.receive_text())["key"] == "NOT_FOUND"
+        assert (await fake_model.wait_stream_end()).outcome == "client_closed"
+        assert (await saved_answer(http, b.url, "901", "cancelled"))["status"] == "cancelled"
+
+
+async def test_cancel_before_the_first_token(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=10) as http:
+        async with http.stream(
+            "POST", a.url + "/api/chat/sse", json=chat_body("slow start #wait=3", chatId="902")
+        ) as response:
+            started = time.monotonic()
+            cancel = await http.post(
+                b.url + "/api/chat/cancel", json={"chatId": "902", "userId": "1"}
+            )
+            assert cancel.status_code == 200
+            events = await rest(iter_sse(response))
+        assert time.monotonic() - started < 2.5
+        assert events[-1].type == "messageEnd" and events[-1].data["status"] == "cancelled"
+        assert answer_of(events) == ""
+        assert (await saved_answer(http, b.url, "902", "cancelled"))["status"] == "cancelled"
+
+
+async def test_cancel_refusals(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=10) as http:
+        unknown = await http.post(
+            b.url + "/api/chat/cancel", json={"chatId": "12345", "userId": "1"}
+        )
+        assert unknown.status_code == 404
+        assert unknown.json() == {
+            "type": "error",
+            "key": "NOT_FOUND",
+            "data": unknown.json()["data"],
+            "cancelled": False,
+        }
+        async with http.stream(
+            "POST",
+            a.url + "/api/chat/sse",
+            json=chat_body("long #tokens=200 #delay=0.02", chatId="903"),
+        ) as response:
+            stream = iter_sse(response)
+            await read_events(stream, 2)
+            other_user = await http.post(
+                b.url + "/api/chat/cancel", json={"chatId": "903", "userId": "2"}
+            )
+            assert other_user.status_code == 403 and other_user.json()["key"] == "FORBIDDEN"
+            second = await http.post(
+                b.url + "/api/chat/sse", json=chat_body("me too", chatId="903")
+            )
+            assert second.status_code == 400
+            assert "already running" in second.json()["data"]
+            resume_other = await http.get(
+                b.url + "/api/chat/sse/resume", params={"chatId": "903", "userId": "2"}
+            )
+            assert resume_other.status_code == 403
+            assert (
+                await http.post(b.url + "/api/chat/cancel", json={"chatId": "903", "userId": "1"})
+            ).status_code == 200
+            await rest(stream)
+        missing = await http.get(b.url + "/api/chat/sse/resume", params={"chatId": "777"})
+        assert missing.status_code == 404 and missing.json()["key"] == "NOT_FOUND"
+
+
+async def test_resume_on_another_process_continues_without_gap_or_duplicate(pair, fake_model):
+    a, b = pair
+    tokens = 300
+    async with httpx.AsyncClient(timeout=20) as http:
+        async with http.stream(
+            "POST",
+            a.url + "/api/chat/sse",
+            json=chat_body(f"long #tokens={tokens} #delay=0.005", chatId="904"),
+        ) as response:
+            head = await read_events(iter_sse(response), 25)
+        last_id = head[-1].id
+        async with http.stream(
+            "GET",
+            b.url + "/api/chat/sse/resume",
+            params={"chatId": "904"},
+            headers={"Last-Event-ID": last_id},
+        ) as response:
+            assert response.status_code == 200
+            tail = await rest(iter_sse(response))
+        events = head + tail
+        assert [int(e.id.split(":")[1]) for e in events] == list(range(1, len(events) + 1))
+        assert answer_of(events) == "".join(f"tok{i} " for i in range(tokens))
+        assert events[-1].data["status"] == "completed"
+        assert len(fake_model.streams) == 1  # no second model call
+
+        # a finished generation replays to its end, on either process, over WebSocket too
+        async with aconnect_ws(b.ws_url + "/api/chat/ws", http) as ws:
+            await ws.receive_text()
+            await ws.send_text(
+                orjson.dumps(
+                    {"type": "resume", "chatId": "904", "lastEventId": head[10].id}
+                ).decode()
+            )
+            frames = []
+            while not frames or frames[-1]["type"] != "messageEnd":
+                frames.append(orjson.loads(await ws.receive_text()))
+        assert [f["eventId"] for f in frames] == [e.id for e in events[11:]]
+        replay = await http.get(
+            a.url + "/api/chat/sse/resume", params={"chatId": "904", "lastEventId": events[-2].id}
+        )
+        assert [line for line in replay.text.splitlines() if line.startswith("id:")] == [
+            f"id: {events[-1].id}"
+        ]
+
+
+async def test_killed_process_leaves_no_handle_and_resume_ends_cleanly(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=20) as http:
+        async with http.stream(
+            "POST",
+            a.url + "/api/chat/sse",
+            json=chat_body("long #tokens=1000 #delay=0.01", chatId="905"),
+        ) as response:
+            head = await read_events(iter_sse(response), 10)
+            await asyncio.sleep(0.1)  # let the flusher write what was sent
+            a.kill()
+        assert (await http.get(b.url + "/api/chats/905")).status_code == 200
+        async with http.stream(
+            "GET",
+            b.url + "/api/chat/sse/resume",
+            params={"chatId": "905", "lastEventId": head[2].id},
+        ) as response:
+            started = time.monotonic()
+            tail = await rest(iter_sse(response))
+        assert time.monotonic() - started < 8
+        assert [int(e.id.split(":")[1]) for e in tail] == list(range(4, 4 + len(tail)))
+        assert tail[-1].type == "error" and tail[-1].data["key"] == "STREAM_ERROR"
+        assert "lost" in tail[-1].data["data"]
+        cancel = await http.post(b.url + "/api/chat/cancel", json={"chatId": "905", "userId": "1"})
+        assert cancel.status_code == 404
+        # the chat is free for a new question on the surviving process
+        async with http.stream(
+            "POST", b.url + "/api/chat/sse", json=chat_body("again", chatId="905")
+        ) as response:
+            events = await rest(iter_sse(response))
+        assert events[-1].data["status"] == "completed"
