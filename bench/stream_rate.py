@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,23 +23,9 @@ import httpx
 import orjson
 from httpx_ws import aconnect_ws
 
+from tests.servers import free_port, wait_for_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def start(cmd: list[str], env: dict[str, str], cpu: str | None) -> subprocess.Popen[bytes]:
@@ -63,7 +48,9 @@ async def read_sse(url: str, body: dict) -> tuple[int, float]:
 async def read_ws(url: str, body: dict) -> tuple[int, float]:
     count = 0
     async with httpx.AsyncClient(timeout=120) as client:
-        async with aconnect_ws(url.replace("http", "ws") + "/api/chat/ws", client, max_message_size_bytes=2**20) as ws:
+        async with aconnect_ws(
+            url.replace("http", "ws") + "/api/chat/ws", client, max_message_size_bytes=2**20
+        ) as ws:
             await ws.receive_text()
             start_t = time.perf_counter()
             await ws.send_text(orjson.dumps(body).decode())
@@ -75,9 +62,15 @@ async def read_ws(url: str, body: dict) -> tuple[int, float]:
 
 
 async def read_model(url: str, tokens: int) -> tuple[int, float]:
-    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": f"#tokens={tokens} #reasoning=0"}]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": f"#tokens={tokens} #reasoning=0"}],
+    }
     count = 0
-    async with httpx.AsyncClient(timeout=120, headers={"authorization": "Bearer test-key"}) as client:
+    async with httpx.AsyncClient(
+        timeout=120, headers={"authorization": "Bearer test-key"}
+    ) as client:
         start_t = time.perf_counter()
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
@@ -87,7 +80,11 @@ async def read_model(url: str, tokens: int) -> tuple[int, float]:
 
 
 async def run(args: argparse.Namespace, app_url: str, model_url: str) -> None:
-    body = {"userId": "1", "focusMode": "deepSeek", "message": {"content": f"#tokens={args.tokens} #reasoning=0"}}
+    body = {
+        "userId": "1",
+        "focusMode": "deepSeek",
+        "message": {"content": f"#tokens={args.tokens} #reasoning=0"},
+    }
     for name, reader in (("model direct", None), ("sse", read_sse), ("websocket", read_ws)):
         rates = []
         for _ in range(args.runs):
@@ -97,11 +94,15 @@ async def run(args: argparse.Namespace, app_url: str, model_url: str) -> None:
                 count, seconds = await reader(app_url, body)
             rates.append(count / seconds)
         rates.sort()
-        print(f"{name:13s} {count:7d} events  median {rates[len(rates) // 2]:10,.0f} events/s  (runs: {', '.join(f'{r:,.0f}' for r in rates)})")
+        print(
+            f"{name:13s} {count:7d} events  median {rates[len(rates) // 2]:10,.0f} events/s  (runs: {', '.join(f'{r:,.0f}' for r in rates)})"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
@@ -114,11 +115,13 @@ def main() -> None:
             "PORT": str(app_port),
             "SERVER_HOST": "127.0.0.1",
         }
-        model = start([sys.executable, "-m", "tests.fakes.model", "--port", str(model_port)], env, "1")
+        model = start(
+            [sys.executable, "-m", "tests.fakes.model", "--port", str(model_port)], env, "1"
+        )
         server = start([sys.executable, "-m", "app"], env, "0")
         try:
-            wait_port(model_port)
-            wait_port(app_port)
+            wait_for_port(model_port)
+            wait_for_port(app_port)
             asyncio.run(run(args, f"http://127.0.0.1:{app_port}", f"http://127.0.0.1:{model_port}"))
         finally:
             for proc in (server, model):

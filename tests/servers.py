@@ -21,7 +21,19 @@ import uvicorn
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class ServerThread:
+class Loopback:
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+
+class ServerThread(Loopback):
     """A uvicorn server for `app` on 127.0.0.1:<free port>, in its own thread and loop."""
 
     def __init__(self, app: Any, **config: Any) -> None:
@@ -35,14 +47,6 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, **options))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -98,7 +102,7 @@ def wait_for_port(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
-class AppProcess:
+class AppProcess(Loopback):
     """The server as its own process (`python -m app`), configured by environment."""
 
     def __init__(self, env: dict[str, str]) -> None:
@@ -112,14 +116,6 @@ class AppProcess:
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_file = tempfile.NamedTemporaryFile(prefix="app-", suffix=".log", delete=False)  # noqa: SIM115
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
 
     def start(self) -> AppProcess:
         self.proc = subprocess.Popen(
