@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import orjson
 
-from .config import LLMSettings
+from .config import EmbeddingsSettings, LLMSettings
 from .errors import ConfigError, ModelError, StreamError
 
 Message = dict[str, str]
@@ -144,6 +144,45 @@ class LLMClient:
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise StreamError("the model's answer has no choices[0].message") from exc
         return strip_think(text).strip()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+class Embedder:
+    """The `/embeddings` endpoint of the embeddings model (for ranking search results)."""
+
+    def __init__(self, settings: EmbeddingsSettings, timeout: float = 30.0) -> None:
+        self.settings = settings
+        self._client: openai.AsyncOpenAI | None = None
+        if settings.model and settings.api_key:
+            self._client = openai.AsyncOpenAI(
+                base_url=settings.base_url, api_key=settings.api_key, max_retries=0, timeout=timeout
+            )
+
+    @property
+    def configured(self) -> bool:
+        return self._client is not None
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One vector per text, in order. ConfigError / ModelError / StreamError."""
+        if self._client is None:
+            raise ConfigError("no embeddings model is configured (embeddings.model)")
+        try:
+            response = await self._client.embeddings.create(
+                model=self.settings.model, input=list(texts)
+            )
+        except openai.APIStatusError as exc:
+            raise StreamError(_status_message(exc)) from exc
+        except openai.APIConnectionError as exc:
+            raise ModelError(f"cannot reach the embeddings model: {_cause(exc)}") from exc
+        except openai.OpenAIError as exc:
+            raise StreamError(f"the embeddings model answered badly: {exc}") from exc
+        vectors = sorted(response.data, key=lambda item: item.index)
+        if len(vectors) != len(texts):
+            raise StreamError("the embeddings model returned a different number of vectors")
+        return [list(item.embedding) for item in vectors]
 
     async def aclose(self) -> None:
         if self._client is not None:

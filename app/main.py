@@ -17,8 +17,9 @@ from . import api, config
 from .chat.service import ChatService
 from .config import Settings
 from .ids import Snowflake
-from .llm import LLMClient
+from .llm import Embedder, LLMClient
 from .prompts import Prompts
+from .search.web import WebSearch
 from .store import Store, open_store
 from .streams import StreamHub, open_hub
 from .transport import sse, ws
@@ -49,17 +50,25 @@ def create_app(
             max_generation_seconds=settings.llm.timeout_seconds,
         )
         the_llm = llm or LLMClient(settings.llm)
+        the_prompts = prompts or Prompts()
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(the_store)
             await stack.enter_async_context(the_hub)
             stack.push_async_callback(the_llm.aclose)
+            embedder = Embedder(settings.embeddings)
+            stack.push_async_callback(embedder.aclose)
+            search = WebSearch(
+                settings, llm=the_llm, embedder=embedder, prompts=the_prompts, store=the_store
+            )
+            stack.push_async_callback(search.aclose)
             service = ChatService(
                 settings,
                 store=the_store,
                 hub=the_hub,
                 llm=the_llm,
-                prompts=prompts or Prompts(),
+                prompts=the_prompts,
                 ids=Snowflake(),
+                search=search,
             )
             app.state.settings = settings
             app.state.service = service

@@ -44,6 +44,7 @@ class ChatRequest:
     history: tuple[tuple[str, str], ...] | None = None
     files: tuple[Any, ...] = ()
     format: str = "default"
+    host: str = ""  # the Host the request came to (for links), set by the transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ def parse_chat_request(
     max_content_chars: int,
     max_history_messages: int = 200,
     format_override: str | None = None,
+    host: str = "",
 ) -> ChatRequest:
     """Validate a decoded chat request. Raises `BadRequest` naming the field."""
     if not isinstance(body, dict):
@@ -155,6 +157,7 @@ def parse_chat_request(
         history=_parse_history(body.get("history"), max_history_messages, max_content_chars),
         files=tuple(files),
         format=fmt,
+        host=host,
     )
 
 

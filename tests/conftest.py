@@ -12,6 +12,7 @@ import redis
 from app.config import Settings
 from app.main import create_app
 from tests.fakes.model import DEFAULT_REPLIES, FakeModel
+from tests.fakes.search import FakeSearch
 from tests.servers import ServerThread, free_port, serve, wait_for_port
 
 
@@ -42,8 +43,24 @@ def model_url(fake_model_server: tuple[FakeModel, ServerThread], fake_model: Fak
     return fake_model_server[1].url + "/v1"
 
 
+@pytest.fixture(scope="session")
+def fake_search_server() -> Iterator[tuple[FakeSearch, ServerThread]]:
+    search = FakeSearch()
+    with serve(search.app()) as server:
+        search.base_url = server.url
+        yield search, server
+
+
 @pytest.fixture
-def settings(tmp_path: Path, model_url: str) -> Settings:
+def fake_search(fake_search_server: tuple[FakeSearch, ServerThread]) -> FakeSearch:
+    search, _ = fake_search_server
+    search.reset()
+    return search
+
+
+@pytest.fixture
+def settings(tmp_path: Path, model_url: str, fake_search: FakeSearch) -> Settings:
+    base = fake_search.base_url
     return Settings().replace(
         llm={
             "base_url": model_url,
@@ -54,6 +71,11 @@ def settings(tmp_path: Path, model_url: str) -> Settings:
         embeddings={"base_url": model_url, "api_key": "test-key", "model": "fake-embed"},
         store={"url": f"sqlite:///{tmp_path}/chat.db"},
         server={"keepalive_seconds": 15.0, "shutdown_grace_seconds": 2.0},
+        search={"provider": "tavily", "max_results": 8, "timeout_seconds": 10.0},
+        tavily={"api_key": fake_search.api_key, "base_url": base + "/tavily"},
+        searxng={"url": base + "/searxng"},
+        google={"api_key": fake_search.api_key, "cse_id": "cx1", "base_url": base + "/google"},
+        reader={"provider": "jina", "base_url": base + "/jina", "timeout_seconds": 5.0},
     )
 
 

@@ -23,24 +23,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class Loopback:
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"ws://{self.host}:{self.port}"
 
 
 class ServerThread(Loopback):
     """A uvicorn server for `app` on 127.0.0.1:<free port>, in its own thread and loop."""
 
-    def __init__(self, app: Any, **config: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", **config: Any) -> None:
         self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.host = host
+        # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto is IPPROTO_TCP, and without it every response that is written in two
+        # parts on a kept-alive connection waits 40 ms for a delayed ACK
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
         options = {"log_level": "warning", "ws": "websockets-sansio", "lifespan": "on"}
         options.update(config)
@@ -78,8 +83,8 @@ class ServerThread(Loopback):
 
 
 @contextlib.contextmanager
-def serve(app: Any, **config: Any) -> Iterator[ServerThread]:
-    server = ServerThread(app, **config).start()
+def serve(app: Any, host: str = "127.0.0.1", **config: Any) -> Iterator[ServerThread]:
+    server = ServerThread(app, host, **config).start()
     try:
         yield server
     finally:

@@ -24,10 +24,12 @@ from ..ids import Snowflake
 from ..llm import LLMClient, Message
 from ..prompts import Prompts
 from ..protocol import ChatRequest, parse_event_id
+from ..search.base import SearchResult
+from ..search.web import WebSearch, context_of, source_entries
 from ..store import Chat, Store, StoredMessage
 from ..streams import Handle, StreamHub
 from ..transport.emitter import Emitter, RecordingEmitter
-from .modes import MODES, PLAIN_PROMPT
+from .modes import MODES, PLAIN_PROMPT, FocusMode
 
 log = logging.getLogger("app.chat")
 
@@ -46,7 +48,7 @@ class ChatService:
         llm: LLMClient,
         prompts: Prompts,
         ids: Snowflake,
-        search: Any = None,
+        search: WebSearch,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -157,6 +159,13 @@ class ChatService:
             if m.content and (m.role == "user" or m.status in ("completed", "cancelled"))
         ]
         return pairs[-HISTORY_MESSAGES:]
+
+    def public_host(self, request_host: str) -> str:
+        """The host of links the server hands out: `server.public_url`, else the request's Host."""
+        public = self.settings.server.public_url
+        if public:
+            return public.split("://", 1)[-1].rstrip("/")
+        return request_host or "127.0.0.1"
 
     def running(self) -> int:
         return len(self._generations)
@@ -344,19 +353,29 @@ class Generation:
         )
         self.answer_saved = True
 
-    async def _system_prompt(self, mode: Any, question: str) -> str:
+    async def _system_prompt(self, mode: FocusMode, question: str) -> str:
         svc, req = self.service, self.request
         date = datetime.now(UTC).isoformat(timespec="seconds")
-        if mode.searches and req.copilot_enabled:
-            if svc.search is None:
-                self.out.emit(
-                    "progress", data="web search is not available; answering without sources"
-                )
-                return svc.prompts.render(PLAIN_PROMPT, date=date)
-            return await svc.search.system_prompt(self, question, date)
-        if mode.searches:  # webSearch with copilot off: the model alone
+        if not mode.searches:
+            return svc.prompts.render(mode.prompt, date=date)
+        if not req.copilot_enabled:  # webSearch with copilot off: the model alone
             return svc.prompts.render(PLAIN_PROMPT, date=date)
-        return svc.prompts.render(mode.prompt, date=date)
+        results = await svc.search.find_sources(self.out, question, req.optimization_mode)
+        if not results:
+            return svc.prompts.render(PLAIN_PROMPT, date=date)
+        await self._send_sources(results)
+        return svc.prompts.render(mode.prompt, date=date, context=context_of(results))
+
+    async def _send_sources(self, results: list[SearchResult]) -> None:
+        """Save the sources on the question, then send them with the "All Sources" link."""
+        svc, h = self.service, self.handle
+        entries = source_entries(results)
+        await svc.store.set_sources(h.question_id, entries)
+        host = svc.public_host(self.request.host)
+        all_sources = {
+            "metadata": {"title": "All Sources", "url": f"//{host}/sources/{h.question_id}"}
+        }
+        self.out.emit("sources", data=[*entries, all_sources])
 
     async def _finish(self, status: str, error: AppError | None) -> None:
         svc, h = self.service, self.handle

@@ -92,6 +92,7 @@ async def chat(request: Request) -> Response:
         max_content_chars=settings.limits.max_content_chars,
         max_history_messages=settings.limits.max_history_messages,
         format_override=request.query_params.get("format") or None,
+        host=request.headers.get("host", ""),
     )
     handle = await request.app.state.service.start(chat_request)
     return stream_response(request, handle, chat_request.format)

@@ -106,6 +106,8 @@ async def endpoint(websocket: WebSocket) -> None:
                         body,
                         max_content_chars=settings.limits.max_content_chars,
                         max_history_messages=settings.limits.max_history_messages,
+                        format_override=websocket.query_params.get("format") or None,
+                        host=websocket.headers.get("host", ""),
                     )
                     handle = await service.start(request)
                     follow(handle, request.format)

@@ -58,7 +58,7 @@ class FakeModel:
     replies: list[tuple[str, str]] = field(default_factory=lambda: list(DEFAULT_REPLIES))
     requests: list[dict[str, Any]] = field(default_factory=list)
     streams: list[StreamRecord] = field(default_factory=list)
-    embedding_dims: int = 8
+    embedding_dims: int = 64
     reply_delay: float = 0.0
 
     def app(self) -> Starlette:

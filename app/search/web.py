@@ -1,0 +1,175 @@
+"""The webSearch pipeline: search, rank and read by optimization mode, then the prompt.
+
+    speed     the provider's results as they are (snippets), nothing read
+    balanced  ranked by embeddings; the best page read in full
+    quality   the small model picks at most 6; all of them read, concurrently
+
+Failures degrade: a provider that fails or finds nothing leaves the answer
+without sources (a `progress` event says why); a page that cannot be read
+keeps its snippet; the whole of search and reading is bounded by
+`search.timeout_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import httpx
+
+from ..config import Settings
+from ..errors import AppError, SearchError
+from ..llm import Embedder, LLMClient
+from ..prompts import Prompts
+from ..store import Store
+from .base import SearchProvider, SearchResult
+from .google import GoogleSearch
+from .rank import rank_by_embeddings, select_with_model
+from .reader import Reader, open_reader
+from .searxng import SearxngSearch
+from .tavily import TavilySearch
+
+log = logging.getLogger("app.search")
+
+QUALITY_PICKS = 6
+SNIPPET_CHARS = 500
+CONTEXT_CHARS_PER_SOURCE = 6000
+
+
+class Progress(Protocol):
+    """Where the pipeline reports: the generation's recording emitter."""
+
+    def emit(self, type: str, **data: object) -> object: ...
+
+
+def open_provider(settings: Settings, http: httpx.AsyncClient) -> SearchProvider:
+    provider = settings.search.provider
+    if provider == "tavily":
+        return TavilySearch(http, settings.tavily)
+    if provider == "searxng":
+        return SearxngSearch(http, settings.searxng)
+    if provider == "google":
+        return GoogleSearch(http, settings.google)
+    raise ValueError(f"unsupported search.provider {provider!r}: use tavily, searxng or google")
+
+
+class WebSearch:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        llm: LLMClient,
+        embedder: Embedder,
+        prompts: Prompts,
+        store: Store,
+        provider: SearchProvider | None = None,
+        reader: Reader | None = None,
+    ) -> None:
+        self.settings = settings
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.search.timeout_seconds, connect=10.0)
+        )
+        self.provider = provider or open_provider(settings, self.http)
+        self.reader = reader or open_reader(settings.reader, self.http)
+        self.llm = llm
+        self.embedder = embedder
+        self.prompts = prompts
+        self.store = store
+
+    async def aclose(self) -> None:
+        await self.reader.aclose()
+        await self.http.aclose()
+
+    async def find_sources(self, out: Progress, question: str, mode: str) -> list[SearchResult]:
+        """Search, rank and read for `question`; [] when there is nothing to ground on.
+
+        Cancelling is safe: in-flight requests are closed.
+        """
+        out.emit("progress", data=f"searching the web: {question}")
+        budget = self.settings.search.timeout_seconds
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        try:
+            async with asyncio.timeout(budget):
+                results = await self.provider.search(question, self.settings.search.max_results)
+        except TimeoutError:
+            out.emit("progress", data="web search timed out; answering without sources")
+            return []
+        except SearchError as exc:
+            log.warning("search failed: %s", exc.message)
+            out.emit(
+                "progress", data=f"web search failed ({exc.message}); answering without sources"
+            )
+            return []
+        if not results:
+            out.emit("progress", data="web search found nothing; answering without sources")
+            return []
+        if mode == "balanced":
+            try:
+                results = await rank_by_embeddings(self.embedder, question, results)
+            except AppError as exc:
+                out.emit(
+                    "progress", data=f"ranking unavailable ({exc.message}); using the search order"
+                )
+            return await self._read(out, results, 1, deadline)
+        if mode == "quality":
+            out.emit("progress", data=f"choosing the best of {len(results)} results")
+            chosen = await select_with_model(
+                self.llm, self.prompts, question, results, QUALITY_PICKS
+            )
+            return await self._read(out, chosen, len(chosen), deadline)
+        return results
+
+    async def _read(
+        self, out: Progress, results: list[SearchResult], count: int, deadline: float
+    ) -> list[SearchResult]:
+        """Read the first `count` results concurrently until the deadline; a page that
+        fails or is too late keeps its snippet."""
+        out.emit("progress", data=f"reading {count} page{'s' if count != 1 else ''}")
+        timeout = self.settings.reader.timeout_seconds
+        tasks = [asyncio.create_task(self._read_one(r.url, timeout)) for r in results[:count]]
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=remaining)
+        finally:
+            for task in tasks:
+                task.cancel()
+        read = list(results)
+        for i, task in enumerate(tasks):
+            if task in done and not task.cancelled() and task.result():
+                read[i] = results[i].with_content(task.result())
+        failed = count - sum(1 for r in read[:count] if r.content)
+        if failed:
+            out.emit(
+                "progress",
+                data=f"{failed} of {count} pages could not be read; using their snippets",
+            )
+        return read
+
+    async def _read_one(self, url: str, timeout: float) -> str:
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.reader.read(url)
+        except (SearchError, TimeoutError) as exc:
+            log.info("reading %s failed: %s", url, getattr(exc, "message", exc) or "timeout")
+            return ""
+
+
+def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
+    """Sources as the protocol sends and saves them."""
+    return [
+        {
+            "metadata": {"title": r.title, "url": r.url},
+            "pageContent": (r.snippet or r.content)[:SNIPPET_CHARS],
+        }
+        for r in results
+    ]
+
+
+def context_of(results: list[SearchResult]) -> str:
+    """'source N <url> <content>' per source, as the original built it."""
+    return "\n".join(
+        f"source {i} {r.url} {r.text[:CONTEXT_CHARS_PER_SOURCE]}"
+        for i, r in enumerate(results, start=1)
+    )

@@ -1,0 +1,173 @@
+"""A fake web: Tavily, SearxNG and Google Custom Search APIs, a Jina-style reader,
+and the pages the results point at — all one real HTTP server.
+
+Each result N has the snippet `SNIPPET-N …` and a page at `/pages/N` whose
+main text holds `FULLTEXT-N`, so a test can tell from the model's system
+prompt what was read. Result 3 shares the most words with `RELEVANT_QUESTION`
+(for the embeddings ranker).
+
+    /tavily/search                   POST, bearer key
+    /searxng/search?q=&format=json   GET
+    /google/customsearch/v1?key=&cx=&q=   GET
+    /jina/<url>                      GET: the page's text as Markdown
+    /pages/<n>                       GET: an HTML page
+    /redirect?to=<url>               GET: 302 to <url>
+    /secret                          GET: what an SSRF would reach
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
+from starlette.routing import Route
+
+RESULT_COUNT = 8
+RELEVANT_QUESTION = "how do falcon engines burn methane"
+TOPICS = [
+    "history of pottery glazes",
+    "weather patterns over oceans",
+    "recipes for sourdough bread",
+    "falcon engines burn methane and oxygen",
+    "chess openings for beginners",
+    "migratory birds in winter",
+    "ancient roman road building",
+    "jazz improvisation techniques",
+]
+
+
+def snippet(n: int) -> str:
+    return f"SNIPPET-{n} about {TOPICS[n]}"
+
+
+def fulltext(n: int) -> str:
+    return f"FULLTEXT-{n}: the whole page about {TOPICS[n]}, with every detail."
+
+
+@dataclass
+class FakeSearch:
+    api_key: str = "search-key"
+    fail: int = 0  # answer this status to every search when set
+    empty: bool = False
+    search_delay: float = 0.0
+    page_delay: dict[int, float] = field(default_factory=dict)
+    broken_pages: set[int] = field(default_factory=set)
+    queries: list[tuple[str, str]] = field(default_factory=list)  # (provider, query)
+    pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
+    base_url: str = ""
+
+    def reset(self) -> None:
+        self.fail, self.empty, self.search_delay = 0, False, 0.0
+        self.page_delay.clear()
+        self.broken_pages.clear()
+        self.queries.clear()
+        self.pages_read.clear()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/tavily/search", self.tavily, methods=["POST"]),
+                Route("/searxng/search", self.searxng),
+                Route("/google/customsearch/v1", self.google),
+                Route("/jina/{url:path}", self.jina),
+                Route("/pages/{n:int}", self.page),
+                Route("/redirect", self.redirect),
+                Route("/secret", self.secret),
+            ]
+        )
+
+    def results(self) -> list[dict[str, str]]:
+        if self.empty:
+            return []
+        return [
+            {
+                "title": f"Result {n}: {TOPICS[n]}",
+                "url": f"{self.base_url}/pages/{n}",
+                "snippet": snippet(n),
+            }
+            for n in range(RESULT_COUNT)
+        ]
+
+    async def _searched(self, provider: str, query: str) -> Response | None:
+        self.queries.append((provider, query))
+        if self.search_delay:
+            await asyncio.sleep(self.search_delay)
+        if self.fail:
+            return JSONResponse({"error": "fake search failure"}, status_code=self.fail)
+        return None
+
+    async def tavily(self, request: Request) -> Response:
+        if request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return JSONResponse({"detail": "bad key"}, status_code=401)
+        body: dict[str, Any] = await request.json()
+        if failed := await self._searched("tavily", body["query"]):
+            return failed
+        items = [
+            {"title": r["title"], "url": r["url"], "content": r["snippet"], "score": 0.5}
+            for r in self.results()
+        ]
+        return JSONResponse(
+            {"query": body["query"], "results": items[: body.get("max_results", 8)]}
+        )
+
+    async def searxng(self, request: Request) -> Response:
+        if request.query_params.get("format") != "json":
+            return PlainTextResponse("format must be json", status_code=403)
+        if failed := await self._searched("searxng", request.query_params["q"]):
+            return failed
+        items = [
+            {"title": r["title"], "url": r["url"], "content": r["snippet"], "engine": "fake"}
+            for r in self.results()
+        ]
+        return JSONResponse({"query": request.query_params["q"], "results": items})
+
+    async def google(self, request: Request) -> Response:
+        params = request.query_params
+        if params.get("key") != self.api_key or not params.get("cx"):
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=400)
+        if failed := await self._searched("google", params["q"]):
+            return failed
+        items = [
+            {"title": r["title"], "link": r["url"], "snippet": r["snippet"]} for r in self.results()
+        ]
+        body: dict[str, Any] = {"kind": "customsearch#search"}
+        if items:
+            body["items"] = items[: int(params.get("num", 10))]
+        return JSONResponse(body)
+
+    async def jina(self, request: Request) -> Response:
+        url = request.path_params["url"]
+        n = int(url.rstrip("/").rsplit("/", 1)[-1]) if "/pages/" in url else -1
+        if n < 0 or n in self.broken_pages:
+            return PlainTextResponse("cannot read", status_code=422)
+        await asyncio.sleep(self.page_delay.get(n, 0))
+        self.pages_read.append(("jina", n))
+        return PlainTextResponse(f"Title: Result {n}\n\nMarkdown Content:\n{fulltext(n)}")
+
+    async def page(self, request: Request) -> Response:
+        n = request.path_params["n"]
+        if n in self.broken_pages:
+            return HTMLResponse("gone", status_code=500)
+        await asyncio.sleep(self.page_delay.get(n, 0))
+        self.pages_read.append(("page", n))
+        return HTMLResponse(
+            f"<html><head><title>Result {n}</title><script>var tracking = 1;</script></head><body>"
+            f"<nav>Home | About | NAVIGATION-NOISE</nav><article><h1>Result {n}</h1>"
+            f"<p>{fulltext(n)}</p></article><footer>FOOTER-NOISE</footer></body></html>"
+        )
+
+    async def redirect(self, request: Request) -> Response:
+        return RedirectResponse(request.query_params["to"], status_code=302)
+
+    async def secret(self, request: Request) -> Response:
+        return PlainTextResponse("SECRET-INTERNAL-DATA")
