@@ -1,28 +1,42 @@
-"""`python -m app`: serve with the settings of `config.toml` and the environment."""
+"""`python -m app`: serve with the settings of `config.toml` and the environment.
+
+With `server.workers` (or `WEB_CONCURRENCY`) above 1 it runs that many worker
+processes on one socket; they share Redis and the store, and their metrics
+are gathered through a directory of their own.
+"""
 
 from __future__ import annotations
 
-import logging
+import os
+import tempfile
 
 import uvicorn
 
-from . import config
-from .main import create_app
+from . import config, logs
 
 
 def main() -> None:
     settings = config.load()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    uvicorn.run(
-        create_app(settings),
-        host=settings.server.host,
-        port=settings.server.port,
-        loop="auto",
-        http="auto",
-        ws="websockets-sansio",
-        timeout_graceful_shutdown=int(settings.server.shutdown_grace_seconds) + 5,
-        log_level="info",
-    )
+    logs.configure()
+    options = {
+        "host": settings.server.host,
+        "port": settings.server.port,
+        "ws": "websockets-sansio",
+        "log_config": None,
+        "access_log": False,
+        "proxy_headers": True,
+        # the app drains on SIGTERM before uvicorn starts closing connections;
+        # this only bounds what is left after that
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.server.workers > 1:
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="searchchat-metrics-")
+        uvicorn.run("app.main:app_factory", factory=True, workers=settings.server.workers, **options)
+    else:
+        from .main import create_app
+
+        uvicorn.run(create_app(settings), **options)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,8 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     service = _service(request)
+    if not service.accepting:
+        return JSONResponse({"status": "draining"}, status_code=503)
     failing = {}
     for name, backend in (("store", service.store), ("redis", service.hub)):
         try:
@@ -160,3 +162,8 @@ async def readyz(request: Request) -> Response:
     if failing:
         return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
     return JSONResponse({"status": "ready"})
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,8 +1,8 @@
 """Settings: `config.toml` at the repository root, overridden by the environment.
 
 Every key `[section] key` is overridden by the environment variable
-`SECTION_KEY` (capitals); `PORT` overrides `server.port` and `APP_CONFIG`
-names another file. The result is one frozen `Settings` built once at start
+`SECTION_KEY` (capitals); `PORT` overrides `server.port`, `WEB_CONCURRENCY`
+`server.workers`, and `APP_CONFIG` names another file. The result is one frozen `Settings` built once at start
 and passed down; no other module reads the environment.
 """
 
@@ -29,6 +29,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ("*",)
     public_url: str = ""
     shutdown_grace_seconds: float = 30.0
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,8 @@ def load(
                 values[key] = _coerce(raw[key], kind, f"{name}.{key}")
         if name == "server" and "PORT" in env:
             values["port"] = _from_env(env["PORT"], int, "PORT")
+        if name == "server" and "WEB_CONCURRENCY" in env and "SERVER_WORKERS" not in env:
+            values["workers"] = _from_env(env["WEB_CONCURRENCY"], int, "WEB_CONCURRENCY")
         sections[name] = cls(**values)
     return _derive(Settings(**sections))
 

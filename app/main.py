@@ -13,11 +13,14 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
 
-from . import api, config
+from . import api, config, logs
 from .chat.service import ChatService
 from .config import Settings
 from .ids import Snowflake
+from .lifecycle import GracefulShutdown
 from .llm import Embedder, LLMClient
+from .logs import AccessLog
+from .metrics import Metrics
 from .prompts import Prompts
 from .search.web import WebSearch
 from .store import Store, open_store
@@ -37,6 +40,7 @@ def create_app(
 ) -> Starlette:
     """The ASGI app. Backends not given are built from `settings` and opened on start."""
     process = f"{socket.gethostname()}:{os.getpid()}"
+    metrics = Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -69,12 +73,21 @@ def create_app(
                 prompts=the_prompts,
                 ids=Snowflake(),
                 search=search,
+                metrics=metrics,
             )
             app.state.settings = settings
             app.state.service = service
+            app.state.metrics = metrics
+            app.state.sessions = set()
+            shutdown = GracefulShutdown(
+                service, app.state.sessions, settings.server.shutdown_grace_seconds
+            )
+            app.state.shutdown = shutdown
+            shutdown.install()
             try:
                 yield
             finally:
+                shutdown.uninstall()
                 await service.aclose(settings.server.shutdown_grace_seconds)
 
     routes = [
@@ -91,18 +104,21 @@ def create_app(
         Route("/api/suggestions", api.suggestions, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
     ]
     middleware = [
+        Middleware(AccessLog),
         Middleware(
             CORSMiddleware,
             allow_origins=list(settings.server.cors_origins),
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["authorization", "content-type", "last-event-id"],
-        )
+        ),
     ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 def app_factory() -> Starlette:
-    """For `uvicorn --factory app.main:app_factory` (the Procfile)."""
+    """For `uvicorn --factory app.main:app_factory` and each worker of `python -m app`."""
+    logs.configure()
     return create_app(config.load())

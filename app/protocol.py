@@ -45,6 +45,7 @@ class ChatRequest:
     files: tuple[Any, ...] = ()
     format: str = "default"
     host: str = ""  # the Host the request came to (for links), set by the transport
+    transport: str = ""  # "sse" or "ws", for logs and metrics only
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,7 @@ def parse_chat_request(
     max_history_messages: int = 200,
     format_override: str | None = None,
     host: str = "",
+    transport: str = "",
 ) -> ChatRequest:
     """Validate a decoded chat request. Raises `BadRequest` naming the field."""
     if not isinstance(body, dict):
@@ -158,6 +160,7 @@ def parse_chat_request(
         files=tuple(files),
         format=fmt,
         host=host,
+        transport=transport,
     )
 
 

@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import os
 import shutil
 import subprocess
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -91,14 +98,14 @@ async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port for the whole run."""
+@contextlib.contextmanager
+def start_redis() -> Iterator[str]:
+    """A real redis-server on a free loopback port, stopped on exit."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: run `bash scripts/test.sh`, which installs it")
     port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
+    workdir = tempfile.mkdtemp(prefix="redistest-")
     proc = subprocess.Popen(
         [
             binary,
@@ -111,18 +118,24 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--appendonly",
             "no",
             "--dir",
-            str(workdir),
+            workdir,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}/0"
     try:
         wait_for_port(port)
-        yield url
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
         proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    with start_redis() as url:
+        yield url
 
 
 @pytest.fixture
@@ -132,3 +145,105 @@ def redis_url(redis_server: str) -> str:
     client.flushall()
     client.close()
     return redis_server
+
+
+def _pg_binary(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    return str(candidates[-1]) if candidates else None
+
+
+@contextlib.contextmanager
+def start_postgres() -> Iterator[str]:
+    """A real PostgreSQL (initdb in a temp dir) on a free loopback port, stopped on exit."""
+    initdb, postgres = _pg_binary("initdb"), _pg_binary("postgres")
+    if not (initdb and postgres):
+        pytest.fail("PostgreSQL is not installed: run `bash scripts/test.sh`")
+    datadir = Path(tempfile.mkdtemp(prefix="pgtest-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # postgres refuses to run as root
+        shutil.chown(datadir, "postgres", "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    subprocess.run(
+        [
+            *as_user,
+            initdb,
+            "-D",
+            str(datadir / "data"),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *as_user,
+            postgres,
+            "-D",
+            str(datadir / "data"),
+            "-p",
+            str(port),
+            "-k",
+            str(datadir),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "fsync=off",
+            "-c",
+            "synchronous_commit=off",
+            "-c",
+            "full_page_writes=off",
+            "-c",
+            "max_connections=200",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, timeout=30)
+        yield f"postgresql://postgres@127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        shutil.rmtree(datadir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    with start_postgres() as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> str:
+    """A fresh, empty database of the shared server for this test."""
+    return new_database(postgres_server)
+
+
+def new_database(server: str) -> str:
+    name = f"t{uuid.uuid4().hex[:12]}"
+    asyncio_run_in_thread(_create_database(server, name))
+    return f"{server}/{name}"
+
+
+async def _create_database(server: str, name: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(server + "/postgres")
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+
+
+def asyncio_run_in_thread(coro: Any) -> Any:
+    """Run a coroutine to completion on a loop of its own (callable from inside a running loop)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -22,6 +22,7 @@ from ..config import Settings
 from ..errors import AppError, BadRequest, ConfigError, Forbidden, NotFound, StreamError
 from ..ids import Snowflake
 from ..llm import LLMClient, Message
+from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest, parse_event_id
 from ..search.base import SearchResult
@@ -32,6 +33,7 @@ from ..transport.emitter import Emitter, RecordingEmitter
 from .modes import MODES, PLAIN_PROMPT, FocusMode
 
 log = logging.getLogger("app.chat")
+generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
 HISTORY_MESSAGES = 20
@@ -49,6 +51,7 @@ class ChatService:
         prompts: Prompts,
         ids: Snowflake,
         search: WebSearch,
+        metrics: Metrics,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -57,8 +60,9 @@ class ChatService:
         self.prompts = prompts
         self.ids = ids
         self.search = search
+        self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._generations: dict[str, asyncio.Task[None]] = {}
+        self._generations: dict[str, Generation] = {}
         self.accepting = True
 
     # -- the public operations --------------------------------------------------
@@ -95,7 +99,7 @@ class ChatService:
         generation.out = RecordingEmitter(log_)
         task = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
         generation.task = task
-        self._generations[handle.answer_id] = task
+        self._generations[handle.answer_id] = generation
         task.add_done_callback(lambda _: self._generations.pop(handle.answer_id, None))
         return handle
 
@@ -128,6 +132,7 @@ class ChatService:
             )
         if user_id is not None and handle.user_id != user_id:
             raise Forbidden("this chat belongs to another user")
+        self.metrics.resumes.inc()
         return handle, seq
 
     async def cancel(self, chat_id: str, user_id: str | None) -> Handle:
@@ -138,6 +143,7 @@ class ChatService:
         if user_id is not None and handle.user_id != user_id:
             raise Forbidden("this chat belongs to another user")
         await self.hub.cancel(handle)
+        self.metrics.cancels.inc()
         return handle
 
     async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
@@ -170,17 +176,23 @@ class ChatService:
     def running(self) -> int:
         return len(self._generations)
 
-    async def aclose(self, grace: float = 0.0) -> None:
-        """Stop accepting; let generations finish for `grace` seconds, then cancel the
-        rest (each saves its partial answer as `cancelled`)."""
+    async def drain(self, grace: float) -> None:
+        """Stop accepting generations; let the running ones finish for `grace` seconds,
+        then cancel the rest — each saves its partial answer as `cancelled` and
+        ends its stream with `messageEnd` — and wait until all have ended."""
         self.accepting = False
-        tasks = list(self._generations.values())
-        if tasks and grace > 0:
-            await asyncio.wait(tasks, timeout=grace)
-        for task in self._generations.values():
-            task.cancel()
-        if self._generations:
-            await asyncio.wait(list(self._generations.values()), timeout=10)
+        running = [g.task for g in self._generations.values() if g.task is not None]
+        if running and grace > 0:
+            await asyncio.wait(running, timeout=grace)
+        for generation in list(self._generations.values()):
+            generation.request_cancel()
+        running = [g.task for g in self._generations.values() if g.task is not None]
+        if running:
+            await asyncio.wait(running, timeout=10)
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        """Drain (see `drain`), then stop background chores."""
+        await self.drain(grace)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -245,6 +257,8 @@ class Generation:
         self.reasoning: list[str] = []
         self.answer_saved = False
         self.rewritten: str | None = None
+        self.accepted_at = time.monotonic()
+        self.first_token_at = 0.0
 
     def request_cancel(self) -> None:
         """Called by the hub when a cancel arrives (even before the task started);
@@ -261,6 +275,7 @@ class Generation:
         status, error = "failed", None
         external_cancel = False
         self.started = True
+        self.service.metrics.generations_active.inc()
         try:
             if self.cancel_requested:  # cancelled before the task first ran
                 raise asyncio.CancelledError
@@ -282,7 +297,10 @@ class Generation:
         except Exception as exc:  # a bug: still end the stream and save
             log.exception("generation %s failed", self.handle.answer_id)
             error = AppError(f"internal error: {type(exc).__name__}")
-        await asyncio.shield(self._finish(status, error))
+        try:
+            await asyncio.shield(self._finish(status, error))
+        finally:
+            self.service.metrics.generations_active.dec()
         if external_cancel:
             raise asyncio.CancelledError
 
@@ -309,7 +327,13 @@ class Generation:
 
         emit, content, reasoning = self.out.emit, self.content, self.reasoning
         emit("message", data="")
-        async for delta in svc.llm.stream(messages):
+        requested = time.monotonic()
+        deltas = svc.llm.stream(messages)
+        async for delta in deltas:
+            if not self.first_token_at and delta.kind != "keepalive":
+                self.first_token_at = time.monotonic()
+                svc.metrics.upstream_latency.observe(self.first_token_at - requested)
+                svc.metrics.time_to_first_token.observe(self.first_token_at - self.accepted_at)
             kind = delta.kind
             if kind == "content":
                 content.append(delta.text)
@@ -394,9 +418,41 @@ class Generation:
                 error = AppError("the answer could not be saved")
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
+            svc.metrics.errors.labels(error.key).inc()
         else:
             terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
         await svc.hub.finish(h, terminal)
+        self._record(status if error is None else "failed", error)
+
+    def _record(self, status: str, error: AppError | None) -> None:
+        """One metrics update and one structured log line per generation."""
+        metrics, req, h = self.service.metrics, self.request, self.handle
+        duration = time.monotonic() - self.accepted_at
+        metrics.generations.labels(status).inc()
+        metrics.generation_duration.observe(duration)
+        generation_log.info(
+            "generation",
+            extra={
+                "fields": {
+                    "chatId": h.chat_id,
+                    "messageId": h.answer_id,
+                    "questionMessageId": h.question_id,
+                    "transport": req.transport,
+                    "focusMode": req.focus_mode,
+                    "optimizationMode": req.optimization_mode,
+                    "status": status,
+                    "errorKey": error.key if error else None,
+                    "durationMs": round(duration * 1000, 1),
+                    "firstTokenMs": round((self.first_token_at - self.accepted_at) * 1000, 1)
+                    if self.first_token_at
+                    else None,
+                    "answerChunks": len(self.content),
+                    "answerChars": sum(map(len, self.content)),
+                    "reasoningChunks": len(self.reasoning),
+                    "events": self.out.seq,
+                }
+            },
+        )
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:

@@ -34,6 +34,7 @@ def guard(endpoint: Endpoint) -> Endpoint:
         try:
             return await endpoint(request)
         except AppError as exc:
+            request.app.state.metrics.errors.labels(exc.key).inc()
             return error_response(exc)
 
     return wrapper

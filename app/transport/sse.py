@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import orjson
+from prometheus_client import Counter
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
@@ -38,9 +39,10 @@ class SseEmitter(Emitter):
     """Bridges the relay (push) to the streaming response (pull) through a bounded
     channel of byte chunks; a whole batch of events is one chunk, one write."""
 
-    def __init__(self, fmt: str, max_chunks: int) -> None:
+    def __init__(self, fmt: str, max_chunks: int, sent: Counter | None = None) -> None:
         super().__init__(fmt)
         self._send, self._receive = anyio.create_memory_object_stream[bytes](max_chunks)
+        self._sent = sent
 
     async def open(self, handle: Handle) -> None:
         if self.format == "simple":
@@ -52,6 +54,8 @@ class SseEmitter(Emitter):
         chunk = b"".join([encode(event, fmt) for event in events])
         if chunk:
             await self._send.send(chunk)
+            if self._sent is not None:
+                self._sent.inc(len(events))
 
     def close(self) -> None:
         self._send.close()
@@ -65,12 +69,16 @@ class SseEmitter(Emitter):
 def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int = 0) -> Response:
     service = request.app.state.service
     settings = request.app.state.settings
-    emitter = SseEmitter(fmt, settings.stream.max_queue_events)
+    metrics = request.app.state.metrics
+    emitter = SseEmitter(fmt, settings.stream.max_queue_events, metrics.events_sent.labels("sse"))
+    connections = metrics.connections_active.labels("sse")
 
     async def pump() -> None:
+        connections.inc()
         try:
             await service.relay(handle, emitter, after_seq)
         finally:
+            connections.dec()
             emitter.close()
 
     return EventSourceResponse(
@@ -93,6 +101,7 @@ async def chat(request: Request) -> Response:
         max_history_messages=settings.limits.max_history_messages,
         format_override=request.query_params.get("format") or None,
         host=request.headers.get("host", ""),
+        transport="sse",
     )
     handle = await request.app.state.service.start(chat_request)
     return stream_response(request, handle, chat_request.format)

@@ -9,11 +9,13 @@ frame and the socket stays open.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from prometheus_client import Counter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import AppError, BadRequest
@@ -46,9 +48,10 @@ class SocketWriter:
 
 
 class WebSocketEmitter(Emitter):
-    def __init__(self, writer: SocketWriter, fmt: str) -> None:
+    def __init__(self, writer: SocketWriter, fmt: str, sent: Counter | None = None) -> None:
         super().__init__(fmt)
         self.writer = writer
+        self._sent = sent
 
     async def open(self, handle: Handle) -> None:
         if self.format == "simple":
@@ -68,90 +71,126 @@ class WebSocketEmitter(Emitter):
             frames.append(frame)
         if frames:
             await self.writer.send(frames)
+            if self._sent is not None:
+                self._sent.inc(len(frames))
+
+
+class Session:
+    """One WebSocket connection: its writer and the relays it runs (one per chat)."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        app = websocket.app
+        self.websocket = websocket
+        self.service = app.state.service
+        self.settings = app.state.settings
+        self.metrics = app.state.metrics
+        self.writer = SocketWriter(websocket)
+        self.relays: set[asyncio.Task[None]] = set()
+        self._sent = self.metrics.events_sent.labels("ws")
+
+    def follow(self, handle: Handle, fmt: str, after_seq: int = 0) -> None:
+        emitter = WebSocketEmitter(self.writer, fmt, self._sent)
+        task = asyncio.create_task(self._relay(handle, emitter, after_seq))
+        self.relays.add(task)
+        task.add_done_callback(self.relays.discard)
+
+    async def _relay(self, handle: Handle, emitter: WebSocketEmitter, after_seq: int) -> None:
+        try:
+            await self.service.relay(handle, emitter, after_seq)
+        except (WebSocketDisconnect, OSError, RuntimeError):
+            pass  # the socket went away; the generation goes on and stays resumable
+
+    async def run(self) -> None:
+        await self.writer.send([{"type": "signal", "data": "open"}])
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            chat_id = None
+            try:
+                body = self._decode(message)
+                if isinstance(body, dict):
+                    chat_id = _chat_id_of(body)
+                await self.handle(body)
+            except AppError as exc:
+                self.metrics.errors.labels(exc.key).inc()
+                await self.writer.send(
+                    [error_body(exc, **({"chatId": chat_id} if chat_id else {}))]
+                )
+
+    def _decode(self, message: dict[str, Any]) -> Any:
+        text = message.get("text")
+        if text is None:
+            raise BadRequest("binary frames are not accepted: send JSON as text")
+        limit = self.settings.limits.max_body_bytes
+        if len(text) > limit:
+            raise BadRequest(f"frame is larger than {limit} bytes")
+        return loads(text)
+
+    async def handle(self, body: Any) -> None:
+        """One frame from the client; raises `AppError` for an error frame."""
+        kind = body.get("type", "message") if isinstance(body, dict) else None
+        service, websocket = self.service, self.websocket
+        if kind == "message":
+            request = parse_chat_request(
+                body,
+                max_content_chars=self.settings.limits.max_content_chars,
+                max_history_messages=self.settings.limits.max_history_messages,
+                format_override=websocket.query_params.get("format") or None,
+                host=websocket.headers.get("host", ""),
+                transport="ws",
+            )
+            handle = await service.start(request)
+            self.follow(handle, request.format)
+        elif kind == "cancel":
+            control = parse_control(body)
+            if control.chat_id is None:
+                raise BadRequest("cancel needs chatId")
+            handle = await service.cancel(control.chat_id, control.user_id)
+            frame = {
+                "type": "cancelled",
+                "chatId": handle.chat_id,
+                "messageId": handle.answer_id,
+                "cancelled": True,
+            }
+            await self.writer.send([frame])
+        elif kind == "resume":
+            control = parse_control(body)
+            handle, seq = await service.find_resumable(
+                control.chat_id, control.user_id, control.last_event_id
+            )
+            self.follow(handle, control.format, seq)
+        elif kind == "ping":
+            await self.writer.send([{"type": "pong"}])
+        else:
+            raise BadRequest("type must be one of message, cancel, resume, ping")
+
+    async def close(self, code: int, wait: float) -> None:
+        """Let the relays deliver what they have (up to `wait` seconds), then close."""
+        if self.relays:
+            await asyncio.wait(list(self.relays), timeout=wait)
+        for task in list(self.relays):
+            task.cancel()
+        with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
+            await self.websocket.close(code)
 
 
 async def endpoint(websocket: WebSocket) -> None:
-    service = websocket.app.state.service
-    settings = websocket.app.state.settings
     await websocket.accept()
-    writer = SocketWriter(websocket)
-    relays: set[asyncio.Task[None]] = set()
-
-    def follow(handle: Handle, fmt: str, after_seq: int = 0) -> None:
-        task = asyncio.create_task(
-            _relay(service, handle, WebSocketEmitter(writer, fmt), after_seq)
-        )
-        relays.add(task)
-        task.add_done_callback(relays.discard)
-
+    session = Session(websocket)
+    sessions: set[Session] = websocket.app.state.sessions
+    connections = session.metrics.connections_active.labels("ws")
+    sessions.add(session)
+    connections.inc()
     try:
-        await writer.send([{"type": "signal", "data": "open"}])
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            chat_id = None
-            try:
-                text = message.get("text")
-                if text is None:
-                    raise BadRequest("binary frames are not accepted: send JSON as text")
-                if len(text) > settings.limits.max_body_bytes:
-                    raise BadRequest(f"frame is larger than {settings.limits.max_body_bytes} bytes")
-                body = loads(text)
-                if isinstance(body, dict):
-                    chat_id = _chat_id_of(body)
-                kind = body.get("type", "message") if isinstance(body, dict) else None
-                if kind == "message":
-                    request = parse_chat_request(
-                        body,
-                        max_content_chars=settings.limits.max_content_chars,
-                        max_history_messages=settings.limits.max_history_messages,
-                        format_override=websocket.query_params.get("format") or None,
-                        host=websocket.headers.get("host", ""),
-                    )
-                    handle = await service.start(request)
-                    follow(handle, request.format)
-                elif kind == "cancel":
-                    control = parse_control(body)
-                    if control.chat_id is None:
-                        raise BadRequest("cancel needs chatId")
-                    handle = await service.cancel(control.chat_id, control.user_id)
-                    await writer.send(
-                        [
-                            {
-                                "type": "cancelled",
-                                "chatId": handle.chat_id,
-                                "messageId": handle.answer_id,
-                                "cancelled": True,
-                            }
-                        ]
-                    )
-                elif kind == "resume":
-                    control = parse_control(body)
-                    handle, seq = await service.find_resumable(
-                        control.chat_id, control.user_id, control.last_event_id
-                    )
-                    follow(handle, control.format, seq)
-                elif kind == "ping":
-                    await writer.send([{"type": "pong"}])
-                else:
-                    raise BadRequest("type must be one of message, cancel, resume, ping")
-            except AppError as exc:
-                extra = {"chatId": chat_id} if chat_id else {}
-                await writer.send([error_body(exc, **extra)])
+        await session.run()
     except WebSocketDisconnect:
         pass
     finally:
-        for task in relays:
+        connections.dec()
+        sessions.discard(session)
+        for task in session.relays:
             task.cancel()
-
-
-async def _relay(service: Any, handle: Handle, emitter: WebSocketEmitter, after_seq: int) -> None:
-    try:
-        await service.relay(handle, emitter, after_seq)
-    except (WebSocketDisconnect, OSError, RuntimeError):
-        # the socket went away; the generation goes on and stays resumable
-        pass
 
 
 def _chat_id_of(body: dict[str, Any]) -> str | None:

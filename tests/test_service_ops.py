@@ -1,0 +1,235 @@
+"""Running as a service: graceful shutdown, readiness, metrics, several workers, Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import httpx
+import orjson
+import pytest
+from httpx_ws import WebSocketDisconnect, aconnect_ws
+
+from app.main import create_app
+from app.store import open_store
+from tests.client import SseEvent, answer_of, chat_body, iter_sse
+from tests.conftest import new_database, start_postgres, start_redis
+from tests.servers import AppProcess, serve
+
+pytestmark = pytest.mark.anyio
+
+# uvicorn ends by re-raising the signal it caught, so a clean stop may read as -SIGTERM
+STOPPED = (0, -signal.SIGTERM)
+
+
+@pytest.fixture
+def env(tmp_path, model_url):
+    return {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "SERVER_SHUTDOWN_GRACE_SECONDS": "1",
+    }
+
+
+async def saved(store_url, chat_id):
+    async with open_store(store_url) as store:
+        return await store.list_messages(chat_id)
+
+
+def metric(text, name, **labels):
+    label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name + (f"{{{label_text}}}" if labels else "")) + r" ([0-9.e+-]+)"
+    match = re.search(pattern, text)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_sigterm_cancels_what_outlives_the_grace_and_saves_it(env, fake_model):
+    server = AppProcess(env).start()
+    async with httpx.AsyncClient(timeout=20) as http:
+        async with http.stream(
+            "POST",
+            server.url + "/api/chat/sse",
+            json=chat_body("long #tokens=500 #delay=0.02", chatId="600"),
+        ) as response:
+            stream = iter_sse(response)
+            head = []
+            async for item in stream:
+                if isinstance(item, SseEvent):
+                    head.append(item)
+                if len(head) == 5:
+                    break
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = await http.post(server.url + "/api/chat/sse", json=chat_body("new one"))
+            ready = await http.get(server.url + "/readyz")
+            tail = [item async for item in stream if isinstance(item, SseEvent)]
+    events = head + tail
+    assert refused.status_code == 503
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    assert events[-1].type == "messageEnd" and events[-1].data["status"] == "cancelled"
+    server.proc.wait(10)
+    exited = time.monotonic() - signalled
+    assert server.proc.returncode in STOPPED
+    assert exited < 1 + 4, exited  # grace plus a little
+    assert (await fake_model.wait_stream_end()).outcome == "client_closed"
+    messages = await saved(env["STORE_URL"], "600")
+    assert messages[-1].status == "cancelled"
+    assert messages[-1].content == answer_of(events) and messages[-1].content
+    server.stop()
+
+
+async def test_sigterm_lets_a_generation_finish_within_the_grace(env, fake_model):
+    server = AppProcess({**env, "SERVER_SHUTDOWN_GRACE_SECONDS": "5"}).start()
+    async with httpx.AsyncClient(timeout=20) as http:
+        async with http.stream(
+            "POST",
+            server.url + "/api/chat/sse",
+            json=chat_body("short #tokens=20 #delay=0.05", chatId="601"),
+        ) as response:
+            stream = iter_sse(response)
+            async for item in stream:
+                if isinstance(item, SseEvent):
+                    break
+            server.proc.send_signal(signal.SIGTERM)
+            events = [item async for item in stream if isinstance(item, SseEvent)]
+    assert events[-1].data["status"] == "completed"
+    assert server.proc.wait(10) in STOPPED
+    assert (await saved(env["STORE_URL"], "601"))[-1].status == "completed"
+    server.stop()
+
+
+async def test_sigterm_ends_websocket_streams_then_closes_with_1001(env, fake_model):
+    server = AppProcess(env).start()
+    async with (
+        httpx.AsyncClient(timeout=20) as http,
+        aconnect_ws(server.ws_url + "/api/chat/ws", http) as ws,
+    ):
+        await ws.receive_text()
+        await ws.send_text(
+            orjson.dumps(chat_body("long #tokens=500 #delay=0.02", chatId="602")).decode()
+        )
+        frames = [orjson.loads(await ws.receive_text()) for _ in range(3)]
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(WebSocketDisconnect) as closed:
+            while True:
+                frames.append(orjson.loads(await ws.receive_text()))
+    assert frames[-1]["type"] == "messageEnd" and frames[-1]["status"] == "cancelled"
+    assert closed.value.code == 1001
+    assert server.proc.wait(10) in STOPPED
+    assert (await saved(env["STORE_URL"], "602"))[-1].status == "cancelled"
+    server.stop()
+
+
+async def test_idle_server_stops_at_once(env):
+    server = AppProcess(env).start()
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(10) in STOPPED
+    assert time.monotonic() - started < 2
+    server.stop()
+
+
+async def test_readyz_names_a_redis_that_is_down(settings, fake_model):
+    with start_redis() as redis_url:
+        server = serve(create_app(settings.replace(redis={"url": redis_url})))
+        running = server.__enter__()
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            assert (await http.get("/readyz")).status_code == 200
+    try:  # redis has stopped
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503
+            assert list(ready.json()["failing"]) == ["redis"]
+            assert (await http.get("/healthz")).status_code == 200
+    finally:
+        server.__exit__(None, None, None)
+
+
+async def test_readyz_names_a_postgres_that_is_down(settings, fake_model):
+    with start_postgres() as pg:
+        app = create_app(settings.replace(store={"url": new_database(pg)}))
+        server = serve(app)
+        running = server.__enter__()
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            assert (await http.get("/readyz")).status_code == 200
+    try:
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503
+            assert list(ready.json()["failing"]) == ["store"]
+            assert (await http.get("/healthz")).status_code == 200
+    finally:
+        server.__exit__(None, None, None)
+
+
+async def test_metrics_count_completed_and_cancelled_generations(client, fake_model):
+    async with client.stream(
+        "POST", "/api/chat/sse", json=chat_body("done", chatId="610")
+    ) as response:
+        [e async for e in iter_sse(response)]
+    async with client.stream(
+        "POST", "/api/chat/sse", json=chat_body("long #tokens=500 #delay=0.02", chatId="611")
+    ) as response:
+        stream = iter_sse(response)
+        async for item in stream:
+            if isinstance(item, SseEvent) and item.type == "message" and item.data["data"]:
+                break
+        assert (await client.post("/api/chat/cancel", json={"chatId": "611"})).status_code == 200
+        [e async for e in stream]
+    await client.post("/api/chat/sse", json={"message": {"content": ""}})
+    text = (await client.get("/metrics")).text
+    assert metric(text, "searchchat_generations_total", status="completed") == 1
+    assert metric(text, "searchchat_generations_total", status="cancelled") == 1
+    assert metric(text, "searchchat_cancels_total") == 1
+    assert metric(text, "searchchat_errors_total", key="BAD_REQUEST") == 1
+    assert metric(text, "searchchat_events_sent_total", transport="sse") >= 10
+    assert metric(text, "searchchat_time_to_first_token_seconds_count") == 2
+    assert metric(text, "searchchat_generation_duration_seconds_count") == 2
+    assert metric(text, "searchchat_generations_active") == 0
+    assert metric(text, "searchchat_connections_active", transport="sse") == 0
+
+
+async def test_two_workers_share_postgres_and_redis(
+    tmp_path, model_url, fake_model, postgres_server, redis_url
+):
+    store_url = new_database(postgres_server)
+    env = {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "STORE_URL": store_url,
+        "REDIS_URL": redis_url,
+        "WEB_CONCURRENCY": "2",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+    }
+    server = AppProcess(env).start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            for _ in range(50):  # both workers up
+                if (await http.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+
+            async def ask(i):
+                async with http.stream(
+                    "POST",
+                    "/api/chat/sse",
+                    json=chat_body(f"q{i} #delay=0.01", chatId=str(620 + i)),
+                ) as r:
+                    return [e async for e in iter_sse(r) if isinstance(e, SseEvent)]
+
+            results = await asyncio.gather(*(ask(i) for i in range(8)))
+            assert all(events[-1].data["status"] == "completed" for events in results)
+            chats = (await http.get("/api/chats", params={"userId": "1"})).json()
+            assert len(chats) == 8
+            texts = {(await http.get("/metrics")).text for _ in range(6)}
+            assert {
+                metric(t, "searchchat_generations_total", status="completed") for t in texts
+            } == {8.0}
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(15) in STOPPED
+    finally:
+        server.stop()
