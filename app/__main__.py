@@ -32,7 +32,9 @@ def main() -> None:
     if settings.server.workers > 1:
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="searchchat-metrics-")
-        uvicorn.run("app.main:app_factory", factory=True, workers=settings.server.workers, **options)
+        uvicorn.run(
+            "app.main:app_factory", factory=True, workers=settings.server.workers, **options
+        )
     else:
         from .main import create_app
 

@@ -62,6 +62,36 @@ class StoredMessage:
         return out
 
 
+#: the column order both backends select in, so one mapping serves both
+CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
+MESSAGE_COLUMNS = (
+    "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
+)
+
+
+def chat_from_row(row: Any) -> Chat:
+    """A row of `CHAT_COLUMNS` (tuple or record) as a `Chat`."""
+    return Chat(
+        id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4]
+    )
+
+
+def message_from_row(row: Any, sources: list[dict[str, Any]]) -> StoredMessage:
+    """A row of `MESSAGE_COLUMNS` as a `StoredMessage`, with its sources already decoded."""
+    return StoredMessage(
+        id=str(row[0]),
+        chat_id=str(row[1]),
+        role=row[2],
+        content=row[3],
+        reasoning=row[4],
+        rewritten=row[5],
+        sources=sources,
+        status=row[7],
+        reply_to=str(row[8]) if row[8] is not None else None,
+        created_at=row[9],
+    )
+
+
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 

@@ -12,7 +12,15 @@ from typing import Any
 import asyncpg
 import orjson
 
-from .base import Chat, Store, StoredMessage
+from .base import (
+    CHAT_COLUMNS,
+    MESSAGE_COLUMNS,
+    Chat,
+    Store,
+    StoredMessage,
+    chat_from_row,
+    message_from_row,
+)
 
 LOCK_ID = 7_138_337_258  # pg_advisory_xact_lock key of the migrations
 
@@ -40,10 +48,6 @@ MIGRATIONS = (
     );
     CREATE INDEX messages_by_chat ON messages (chat_id, created_at, id);
     """,
-)
-
-_MESSAGE_COLUMNS = (
-    "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 
 
@@ -92,7 +96,7 @@ class PostgresStore(Store):
 
     async def get_chat(self, chat_id: str) -> Chat | None:
         row = await self.pool.fetchrow(
-            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE id = $1",
+            f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = $1",
             int(chat_id),
         )
         return _chat(row) if row else None
@@ -102,7 +106,7 @@ class PostgresStore(Store):
 
     async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
         rows = await self.pool.fetch(
-            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE user_id = $1"
+            f"SELECT {CHAT_COLUMNS} FROM chats WHERE user_id = $1"
             " ORDER BY created_at DESC, id DESC LIMIT $2",
             int(user_id),
             limit,
@@ -116,7 +120,7 @@ class PostgresStore(Store):
 
     async def add_message(self, message: StoredMessage) -> bool:
         status = await self.pool.execute(
-            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+            f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
             " ON CONFLICT (id) DO NOTHING",
             int(message.id),
             int(message.chat_id),
@@ -149,13 +153,13 @@ class PostgresStore(Store):
 
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.pool.fetchrow(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = $1", int(message_id)
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = $1", int(message_id)
         )
         return _message(row) if row else None
 
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         rows = await self.pool.fetch(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = $1 ORDER BY created_at, id",
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = $1 ORDER BY created_at, id",
             int(chat_id),
         )
         return [_message(row) for row in rows]
@@ -186,25 +190,8 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 
 
 def _chat(row: Any) -> Chat:
-    return Chat(
-        id=str(row["id"]),
-        user_id=str(row["user_id"]),
-        title=row["title"],
-        focus_mode=row["focus_mode"],
-        created_at=row["created_at"],
-    )
+    return chat_from_row(row)
 
 
 def _message(row: Any) -> StoredMessage:
-    return StoredMessage(
-        id=str(row["id"]),
-        chat_id=str(row["chat_id"]),
-        role=row["role"],
-        content=row["content"],
-        reasoning=row["reasoning"],
-        rewritten=row["rewritten"],
-        sources=row["sources"],
-        status=row["status"],
-        reply_to=str(row["reply_to"]) if row["reply_to"] is not None else None,
-        created_at=row["created_at"],
-    )
+    return message_from_row(row, row[6])

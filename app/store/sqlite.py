@@ -14,7 +14,15 @@ from typing import Any
 import aiosqlite
 import orjson
 
-from .base import Chat, Store, StoredMessage
+from .base import (
+    CHAT_COLUMNS,
+    MESSAGE_COLUMNS,
+    Chat,
+    Store,
+    StoredMessage,
+    chat_from_row,
+    message_from_row,
+)
 
 MIGRATIONS = (
     """
@@ -40,10 +48,6 @@ MIGRATIONS = (
     );
     CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, created_at, id);
     """,
-)
-
-_MESSAGE_COLUMNS = (
-    "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 
 
@@ -118,7 +122,7 @@ class SQLiteStore(Store):
 
     async def get_chat(self, chat_id: str) -> Chat | None:
         async with self.db.execute(
-            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE id = ?",
+            f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = ?",
             (int(chat_id),),
         ) as cur:
             row = await cur.fetchone()
@@ -129,7 +133,7 @@ class SQLiteStore(Store):
 
     async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
         async with self.db.execute(
-            "SELECT id, user_id, title, focus_mode, created_at FROM chats WHERE user_id = ?"
+            f"SELECT {CHAT_COLUMNS} FROM chats WHERE user_id = ?"
             " ORDER BY created_at DESC, id DESC LIMIT ?",
             (int(user_id), limit),
         ) as cur:
@@ -151,7 +155,7 @@ class SQLiteStore(Store):
 
     async def add_message(self, message: StoredMessage) -> bool:
         count = await self._write(
-            f"INSERT OR IGNORE INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR IGNORE INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 int(message.id),
                 int(message.chat_id),
@@ -183,14 +187,14 @@ class SQLiteStore(Store):
 
     async def get_message(self, message_id: str) -> StoredMessage | None:
         async with self.db.execute(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (int(message_id),)
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (int(message_id),)
         ) as cur:
             row = await cur.fetchone()
         return _message(row) if row else None
 
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         async with self.db.execute(
-            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
             (int(chat_id),),
         ) as cur:
             rows = await cur.fetchall()
@@ -205,21 +209,8 @@ async def _run_script(db: aiosqlite.Connection, script: str) -> None:
 
 
 def _chat(row: Any) -> Chat:
-    return Chat(
-        id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4]
-    )
+    return chat_from_row(row)
 
 
 def _message(row: Any) -> StoredMessage:
-    return StoredMessage(
-        id=str(row[0]),
-        chat_id=str(row[1]),
-        role=row[2],
-        content=row[3],
-        reasoning=row[4],
-        rewritten=row[5],
-        sources=orjson.loads(row[6]),
-        status=row[7],
-        reply_to=str(row[8]) if row[8] is not None else None,
-        created_at=row[9],
-    )
+    return message_from_row(row, orjson.loads(row[6]))
