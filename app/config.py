@@ -88,6 +88,14 @@ class ReaderSettings:
 
 
 @dataclass(frozen=True)
+class ResearchSettings:
+    max_iterations: int = 3
+    time_budget_seconds: float = 120.0
+    sub_questions: int = 3
+    pages_per_question: int = 3
+
+
+@dataclass(frozen=True)
 class StoreSettings:
     url: str = "sqlite:///data/chat.db"
 
@@ -128,6 +136,7 @@ class Settings:
     searxng: SearxngSettings = field(default_factory=SearxngSettings)
     google: GoogleSettings = field(default_factory=GoogleSettings)
     reader: ReaderSettings = field(default_factory=ReaderSettings)
+    research: ResearchSettings = field(default_factory=ResearchSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     stream: StreamSettings = field(default_factory=StreamSettings)

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
 
 from . import api, config, logs
+from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
 from .ids import Snowflake
@@ -73,6 +74,9 @@ def create_app(
                 prompts=the_prompts,
                 ids=Snowflake(),
                 search=search,
+                research=DeepResearch(
+                    settings.research, search=search, llm=the_llm, prompts=the_prompts
+                ),
                 metrics=metrics,
             )
             app.state.settings = settings

@@ -44,3 +44,16 @@ class Prompts:
         """
         text = self._texts[name]
         return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def answer_lines(text: str) -> list[str]:
+    """The non-empty lines of a model's list answer, without bullets or numbering."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip().lstrip("-*•").strip()
+        head, dot, rest = line.partition(". ")
+        if dot and head.isdigit():
+            line = rest.strip()
+        if line:
+            out.append(line)
+    return out

@@ -23,7 +23,7 @@ from ..errors import AppError, BadRequest, ConfigError, Forbidden, NotFound, Str
 from ..ids import Snowflake
 from ..llm import LLMClient, Message
 from ..metrics import Metrics
-from ..prompts import Prompts
+from ..prompts import Prompts, answer_lines
 from ..protocol import ChatRequest, parse_event_id
 from ..search.base import SearchResult
 from ..search.web import WebSearch, context_of, source_entries
@@ -31,6 +31,7 @@ from ..store import Chat, Store, StoredMessage
 from ..streams import Handle, StreamHub
 from ..transport.emitter import Emitter, RecordingEmitter
 from .modes import MODES, PLAIN_PROMPT, FocusMode
+from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
@@ -51,6 +52,7 @@ class ChatService:
         prompts: Prompts,
         ids: Snowflake,
         search: WebSearch,
+        research: DeepResearch,
         metrics: Metrics,
     ) -> None:
         self.settings = settings
@@ -60,6 +62,7 @@ class ChatService:
         self.prompts = prompts
         self.ids = ids
         self.search = search
+        self.research = research
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
@@ -154,8 +157,7 @@ class ChatService:
             "suggestions", history=format_history(history[-HISTORY_MESSAGES:])
         )
         text = await self.llm.complete([{"role": "user", "content": prompt}])
-        lines = [_clean_line(line) for line in text.splitlines()]
-        return [line for line in lines if line][:5]
+        return answer_lines(text)[:5]
 
     async def stored_history(self, chat_id: str) -> list[tuple[str, str]]:
         messages = await self.store.list_messages(chat_id)
@@ -219,7 +221,7 @@ class ChatService:
         except AppError as exc:
             log.info("title for chat %s not made: %s", chat_id, exc.message)
             return
-        title = _clean_line(title.splitlines()[0] if title else "").strip("\"'“”")
+        title = (answer_lines(title) or [""])[0].strip("\"'“”")
         if title:
             await self.store.set_title(chat_id, title[:TITLE_MAX_CHARS])
 
@@ -382,10 +384,16 @@ class Generation:
         date = datetime.now(UTC).isoformat(timespec="seconds")
         if not mode.searches:
             return svc.prompts.render(mode.prompt, date=date)
-        if not req.copilot_enabled:  # webSearch with copilot off: the model alone
+        if (
+            not req.copilot_enabled and not mode.research
+        ):  # webSearch with copilot off: the model alone
             return svc.prompts.render(PLAIN_PROMPT, date=date)
-        results = await svc.search.find_sources(self.out, question, req.optimization_mode)
+        if mode.research:
+            results = await svc.research.find_sources(self.out, question)
+        else:
+            results = await svc.search.find_sources(self.out, question, req.optimization_mode)
         if not results:
+            self.out.emit("progress", data="answering without sources")
             return svc.prompts.render(PLAIN_PROMPT, date=date)
         await self._send_sources(results)
         return svc.prompts.render(mode.prompt, date=date, context=context_of(results))
@@ -459,14 +467,3 @@ def format_history(history: Sequence[tuple[str, str]]) -> str:
     return "\n".join(
         f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history
     )
-
-
-def _clean_line(line: str) -> str:
-    line = line.strip()
-    for prefix in ("- ", "* ", "• "):
-        if line.startswith(prefix):
-            line = line[len(prefix) :]
-    head, dot, rest = line.partition(". ")
-    if dot and head.isdigit():
-        line = rest
-    return line.strip()

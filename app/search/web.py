@@ -81,8 +81,11 @@ class WebSearch:
         await self.reader.aclose()
         await self.http.aclose()
 
-    async def find_sources(self, out: Progress, question: str, mode: str) -> list[SearchResult]:
-        """Search, rank and read for `question`; [] when there is nothing to ground on.
+    async def find_sources(
+        self, out: Progress, question: str, mode: str, picks: int = QUALITY_PICKS
+    ) -> list[SearchResult]:
+        """Search, rank and read for `question`; [] when there is nothing to ground on
+        (a `progress` event has said why). `picks` bounds what `quality` reads.
 
         Cancelling is safe: in-flight requests are closed.
         """
@@ -94,16 +97,14 @@ class WebSearch:
             async with asyncio.timeout(budget):
                 results = await self.provider.search(question, self.settings.search.max_results)
         except TimeoutError:
-            out.emit("progress", data="web search timed out; answering without sources")
+            out.emit("progress", data="web search timed out")
             return []
         except SearchError as exc:
             log.warning("search failed: %s", exc.message)
-            out.emit(
-                "progress", data=f"web search failed ({exc.message}); answering without sources"
-            )
+            out.emit("progress", data=f"web search failed ({exc.message})")
             return []
         if not results:
-            out.emit("progress", data="web search found nothing; answering without sources")
+            out.emit("progress", data="web search found nothing")
             return []
         if mode == "balanced":
             try:
@@ -115,9 +116,7 @@ class WebSearch:
             return await self._read(out, results, 1, deadline)
         if mode == "quality":
             out.emit("progress", data=f"choosing the best of {len(results)} results")
-            chosen = await select_with_model(
-                self.llm, self.prompts, question, results, QUALITY_PICKS
-            )
+            chosen = await select_with_model(self.llm, self.prompts, question, results, picks)
             return await self._read(out, chosen, len(chosen), deadline)
         return results
 

@@ -16,7 +16,8 @@ message, so one test can pick it per request:
     #think         content tokens carry "<think>…</think>" cut across chunks
 
 Non-streamed completions (rewrite, title, suggestions, ranking) answer from
-`replies`: the first (substring, reply) whose substring is in the prompt.
+`replies`: the first (substring, reply) whose substring is in the prompt; a
+callable reply is called with the prompt.
 Everything asked is kept in `requests`; every stream's end in `streams`
 ("completed", "client_closed", "broken").
 """
@@ -55,7 +56,7 @@ class StreamRecord:
 @dataclass
 class FakeModel:
     api_key: str = "test-key"
-    replies: list[tuple[str, str]] = field(default_factory=lambda: list(DEFAULT_REPLIES))
+    replies: list[tuple[str, Any]] = field(default_factory=lambda: list(DEFAULT_REPLIES))
     requests: list[dict[str, Any]] = field(default_factory=list)
     streams: list[StreamRecord] = field(default_factory=list)
     embedding_dims: int = 64
@@ -116,7 +117,7 @@ class FakeModel:
     def _reply(self, prompt: str) -> str:
         for needle, reply in self.replies:
             if needle in prompt:
-                return reply
+                return reply(prompt) if callable(reply) else reply
         return "fake reply"
 
     async def _stream(self, script: dict[str, str], record: StreamRecord) -> AsyncIterator[bytes]:
