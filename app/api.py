@@ -9,7 +9,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .errors import BadRequest, Forbidden, NotFound
 from .protocol import FOCUS_MODES, OPTIMIZATION_MODES, parse_control, parse_id
-from .transport.http import client_identity, guard, read_json
+from .transport.http import client_identity, count_request, guard, read_json
 
 
 def _service(request: Request):  # type: ignore[no-untyped-def]
@@ -54,9 +54,15 @@ async def delete_chat(request: Request) -> Response:
 @guard
 async def sources(request: Request) -> Response:
     message_id = parse_id(request.path_params["message_id"], "messageId")
-    message = await _service(request).store.get_message(message_id)
+    store = _service(request).store
+    message = await store.get_message(message_id)
     if message is None or message.role != "user":
         raise NotFound("no such question")
+    user_id = client_identity(request, request.query_params.get("userId"))
+    if user_id is not None:
+        chat = await store.get_chat(message.chat_id)
+        if chat is None or chat.user_id != user_id:
+            raise Forbidden("these sources belong to another user")
     if "text/html" in request.headers.get("accept", ""):
         items = "\n".join(
             '<li><a href="{url}" rel="noopener noreferrer">{title}</a><p>{text}</p></li>'.format(
@@ -119,6 +125,7 @@ async def suggestions(request: Request) -> Response:
         raise BadRequest("send chatId or history")
     if not pairs:
         raise BadRequest("there is no conversation to suggest from")
+    await count_request(request)
     return JSONResponse({"suggestions": await service.suggestions(pairs)})
 
 

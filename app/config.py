@@ -40,6 +40,7 @@ class LLMSettings:
     small_model: str = ""
     timeout_seconds: float = 600.0
     connect_timeout_seconds: float = 10.0
+    read_timeout_seconds: float = 120.0
 
     @property
     def effective_small_model(self) -> str:
@@ -111,6 +112,7 @@ class StreamSettings:
     max_queue_events: int = 1024
     handle_ttl_seconds: float = 15.0
     flush_interval_ms: float = 50.0
+    client_timeout_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class LimitsSettings:
     max_content_chars: int = 32_000
     requests_per_minute: int = 0
     max_history_messages: int = 200
+    max_concurrent_generations: int = 4
+    ws_messages_per_second: float = 20.0
 
 
 @dataclass(frozen=True)

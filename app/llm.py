@@ -49,7 +49,9 @@ class LLMClient:
                 api_key=settings.api_key,
                 max_retries=0,
                 timeout=openai.Timeout(
-                    settings.timeout_seconds, connect=settings.connect_timeout_seconds
+                    settings.timeout_seconds,
+                    connect=settings.connect_timeout_seconds,
+                    read=settings.read_timeout_seconds,
                 ),
             )
 

@@ -17,6 +17,7 @@ from . import api, config, logs
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
+from .guard import Auth, RateLimiter
 from .ids import Snowflake
 from .lifecycle import GracefulShutdown
 from .llm import Embedder, LLMClient
@@ -42,6 +43,11 @@ def create_app(
     """The ASGI app. Backends not given are built from `settings` and opened on start."""
     process = f"{socket.gethostname()}:{os.getpid()}"
     metrics = Metrics()
+    auth = Auth(settings.auth.api_keys)
+    # a wildcard origin with credentials-bearing clients would let any site use a key
+    origins = list(settings.server.cors_origins)
+    if auth.enabled and origins == ["*"]:
+        origins = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -83,6 +89,10 @@ def create_app(
             app.state.service = service
             app.state.metrics = metrics
             app.state.sessions = set()
+            app.state.auth = auth
+            app.state.limiter = RateLimiter(
+                settings.limits.requests_per_minute, getattr(the_hub, "redis", None)
+            )
             shutdown = GracefulShutdown(
                 service, app.state.sessions, settings.server.shutdown_grace_seconds
             )

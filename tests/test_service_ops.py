@@ -203,6 +203,7 @@ async def test_two_workers_share_postgres_and_redis(
         "STORE_URL": store_url,
         "REDIS_URL": redis_url,
         "WEB_CONCURRENCY": "2",
+        "LIMITS_MAX_CONCURRENT_GENERATIONS": "16",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
     }
     server = AppProcess(env).start()

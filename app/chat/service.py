@@ -98,7 +98,11 @@ class ChatService:
             process=self.hub.process,
         )
         generation = Generation(self, request, handle, chat)
-        log_ = await self.hub.register(handle, generation.request_cancel)
+        log_ = await self.hub.register(
+            handle,
+            generation.request_cancel,
+            max_per_user=self.settings.limits.max_concurrent_generations,
+        )
         generation.out = RecordingEmitter(log_)
         task = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
         generation.task = task

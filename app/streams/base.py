@@ -113,10 +113,13 @@ class StreamHub(abc.ABC):
         """Raise OSError if the backend cannot answer."""
 
     @abc.abstractmethod
-    async def register(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
+    async def register(
+        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+    ) -> GenerationLog:
         """Claim `handle.chat_id` for a new generation and open its log.
 
-        Raises `BadRequest` when a generation is already running for that chat.
+        Raises `BadRequest` when a generation is already running for that chat,
+        `RateLimited` when the user already runs `max_per_user` (0: no cap).
         `on_cancel` is called (in this process, on the event loop) when a
         cancel for the chat arrives from any process.
         """

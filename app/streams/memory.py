@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from ..errors import BadRequest
+from ..errors import BadRequest, RateLimited
 from ..protocol import Event
 from .base import GenerationLog, Handle, StreamHub
 
@@ -26,9 +26,19 @@ class MemoryHub(StreamHub):
             timer.cancel()
         self._expiry.clear()
 
-    async def register(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
+    async def register(
+        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+    ) -> GenerationLog:
         if handle.chat_id in self._running:
             raise BadRequest("a generation is already running for this chat")
+        if max_per_user and self._count_user(handle.user_id) >= max_per_user:
+            raise too_many(max_per_user)
+        return self._open(handle, on_cancel)
+
+    def _count_user(self, user_id: str) -> int:
+        return sum(1 for h, _ in self._running.values() if h.user_id == user_id)
+
+    def _open(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
         self._running[handle.chat_id] = (handle, on_cancel)
         log = self._new_log(handle)
         self._logs[handle.answer_id] = log
@@ -99,3 +109,9 @@ class MemoryHub(StreamHub):
     def local_count(self) -> int:
         """Generations running in this process (for tests and metrics)."""
         return len(self._running)
+
+
+def too_many(cap: int) -> RateLimited:
+    return RateLimited(
+        f"you already have {cap} answers being generated; wait for one to end", retry_after=5
+    )

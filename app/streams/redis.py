@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from redis.exceptions import RedisError
 from ..errors import AppError, BadRequest
 from ..protocol import Event
 from .base import GenerationLog, Handle
-from .memory import MemoryHub
+from .memory import MemoryHub, too_many
 
 log = logging.getLogger("app.streams")
 
@@ -117,7 +118,9 @@ class RedisHub(MemoryHub):
     def _new_log(self, handle: Handle) -> GenerationLog:
         return RedisGenerationLog(handle, self)
 
-    async def register(self, handle: Handle, on_cancel: Callable[[], None]) -> GenerationLog:
+    async def register(
+        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+    ) -> GenerationLog:
         payload = _dump_handle(handle)
         try:
             claimed = await self.redis.set(
@@ -125,14 +128,26 @@ class RedisHub(MemoryHub):
             )
             if not claimed:
                 raise BadRequest("a generation is already running for this chat")
+            now_ms = int(time.time() * 1000)
             keep = self.max_generation_ms + int(self.replay_ttl * 1000)
             async with self.redis.pipeline(transaction=False) as pipe:
+                # the user's running generations: members expire with their claims
+                pipe.zremrangebyscore(_active(handle.user_id), "-inf", now_ms)
+                pipe.zadd(_active(handle.user_id), {handle.answer_id: now_ms + self.handle_ttl_ms})
+                pipe.pexpire(_active(handle.user_id), self.handle_ttl_ms)
+                pipe.zcard(_active(handle.user_id))
                 pipe.set(_gen(handle.answer_id), payload, px=keep)
                 pipe.set(_latest(handle.chat_id), handle.answer_id, px=keep)
-                await pipe.execute()
+                running = (await pipe.execute())[3]
+            if max_per_user and running > max_per_user:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zrem(_active(handle.user_id), handle.answer_id)
+                    pipe.delete(_run(handle.chat_id), _gen(handle.answer_id))
+                    await pipe.execute()
+                raise too_many(max_per_user)
         except RedisError as exc:
             raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
-        return await super().register(handle, on_cancel)
+        return self._open(handle, on_cancel)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
         self._release(handle)
@@ -148,6 +163,7 @@ class RedisHub(MemoryHub):
                 pipe.pexpire(_gen(handle.answer_id), ttl)
                 pipe.pexpire(_latest(handle.chat_id), ttl)
                 pipe.delete(_cancel(handle.answer_id))
+                pipe.zrem(_active(handle.user_id), handle.answer_id)
                 await pipe.execute()
             # release the claim only if it is still ours
             current = await self.redis.get(_run(handle.chat_id))
@@ -323,16 +339,19 @@ class RedisHub(MemoryHub):
             if not running:
                 continue
             try:
+                expiry = int(time.time() * 1000) + self.handle_ttl_ms
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for handle in running:
                         pipe.pexpire(_run(handle.chat_id), self.handle_ttl_ms)
+                        pipe.zadd(_active(handle.user_id), {handle.answer_id: expiry})
+                        pipe.pexpire(_active(handle.user_id), self.handle_ttl_ms)
                     for handle in running:
                         pipe.exists(_cancel(handle.answer_id))
                     results = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat: redis unavailable: %s", exc)
                 continue
-            for handle, flagged in zip(running, results[len(running) :], strict=True):
+            for handle, flagged in zip(running, results[3 * len(running) :], strict=True):
                 if flagged:
                     self._local_cancel(handle.answer_id)
 
@@ -351,6 +370,10 @@ def _latest(chat_id: str) -> str:
 
 def _log(answer_id: str) -> str:
     return f"{PREFIX}log:{answer_id}"
+
+
+def _active(user_id: str) -> str:
+    return f"{PREFIX}active:{user_id}"
 
 
 def _cancel(answer_id: str) -> str:

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from ..protocol import Event, parse_chat_request, parse_id, render, render_simple_start
 from ..streams import Handle
 from .emitter import Emitter
-from .http import client_identity, guard, read_json
+from .http import bind_user, client_identity, count_request, guard, read_json
 
 PING = b": ping\n\n"
 
@@ -88,6 +88,8 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
         ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
         sep="\n",
         data_sender_callable=pump,
+        # a client that stops reading is let go; the generation goes on, resumable
+        send_timeout=settings.stream.client_timeout_seconds,
     )
 
 
@@ -103,6 +105,8 @@ async def chat(request: Request) -> Response:
         host=request.headers.get("host", ""),
         transport="sse",
     )
+    chat_request = bind_user(request, chat_request, body)
+    await count_request(request)
     handle = await request.app.state.service.start(chat_request)
     return stream_response(request, handle, chat_request.format)
 

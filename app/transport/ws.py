@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import orjson
 from prometheus_client import Counter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..errors import AppError, BadRequest
+from ..errors import AppError, BadRequest, RateLimited
 from ..protocol import (
     Event,
     error_body,
@@ -30,21 +31,31 @@ from ..protocol import (
 )
 from ..streams import Handle
 from .emitter import Emitter
+from .http import bind_user, client_identity, count_request
 
 log = logging.getLogger("app.ws")
 
 
 class SocketWriter:
-    """Serialises writes of the relays sharing one socket."""
+    """Serialises writes of the relays sharing one socket. A write that cannot
+    finish within `timeout` (a client that stopped reading) closes the socket."""
 
-    def __init__(self, websocket: WebSocket) -> None:
+    def __init__(self, websocket: WebSocket, timeout: float) -> None:
         self.websocket = websocket
+        self.timeout = timeout
         self.lock = asyncio.Lock()
 
     async def send(self, frames: Sequence[dict[str, Any]]) -> None:
         async with self.lock:
-            for frame in frames:
-                await self.websocket.send_text(orjson.dumps(frame).decode())
+            try:
+                async with asyncio.timeout(self.timeout):
+                    for frame in frames:
+                        await self.websocket.send_text(orjson.dumps(frame).decode())
+            except TimeoutError:
+                log.info("closing a websocket that stopped reading")
+                with contextlib.suppress(Exception):
+                    await self.websocket.close(1008)
+                raise WebSocketDisconnect(1008) from None
 
 
 class WebSocketEmitter(Emitter):
@@ -84,9 +95,12 @@ class Session:
         self.service = app.state.service
         self.settings = app.state.settings
         self.metrics = app.state.metrics
-        self.writer = SocketWriter(websocket)
+        self.writer = SocketWriter(websocket, self.settings.stream.client_timeout_seconds)
         self.relays: set[asyncio.Task[None]] = set()
         self._sent = self.metrics.events_sent.labels("ws")
+        self._rate = self.settings.limits.ws_messages_per_second
+        self._allowance = self._rate
+        self._checked = time.monotonic()
 
     def follow(self, handle: Handle, fmt: str, after_seq: int = 0) -> None:
         emitter = WebSocketEmitter(self.writer, fmt, self._sent)
@@ -118,7 +132,21 @@ class Session:
                     [error_body(exc, **({"chatId": chat_id} if chat_id else {}))]
                 )
 
+    def _throttle(self) -> None:
+        """A token bucket of `limits.ws_messages_per_second` frames (bursts up to one second's)."""
+        if self._rate <= 0:
+            return
+        now = time.monotonic()
+        self._allowance = min(self._rate, self._allowance + (now - self._checked) * self._rate)
+        self._checked = now
+        if self._allowance < 1:
+            raise RateLimited(
+                f"more than {self._rate:g} messages a second on this socket", retry_after=1
+            )
+        self._allowance -= 1
+
     def _decode(self, message: dict[str, Any]) -> Any:
+        self._throttle()
         text = message.get("text")
         if text is None:
             raise BadRequest("binary frames are not accepted: send JSON as text")
@@ -140,13 +168,17 @@ class Session:
                 host=websocket.headers.get("host", ""),
                 transport="ws",
             )
+            request = bind_user(websocket, request, body)
+            await count_request(websocket)
             handle = await service.start(request)
             self.follow(handle, request.format)
         elif kind == "cancel":
             control = parse_control(body)
             if control.chat_id is None:
                 raise BadRequest("cancel needs chatId")
-            handle = await service.cancel(control.chat_id, control.user_id)
+            handle = await service.cancel(
+                control.chat_id, client_identity(websocket, control.user_id)
+            )
             frame = {
                 "type": "cancelled",
                 "chatId": handle.chat_id,
@@ -157,7 +189,7 @@ class Session:
         elif kind == "resume":
             control = parse_control(body)
             handle, seq = await service.find_resumable(
-                control.chat_id, control.user_id, control.last_event_id
+                control.chat_id, client_identity(websocket, control.user_id), control.last_event_id
             )
             self.follow(handle, control.format, seq)
         elif kind == "ping":
@@ -177,6 +209,15 @@ class Session:
 
 async def endpoint(websocket: WebSocket) -> None:
     await websocket.accept()
+    auth = websocket.app.state.auth
+    try:
+        websocket.scope["user_id"] = auth.authenticate(
+            websocket.headers.get("authorization"), websocket.query_params.get("token")
+        )
+    except AppError as exc:
+        await websocket.send_text(orjson.dumps(error_body(exc)).decode())
+        await websocket.close(4401)
+        return
     session = Session(websocket)
     sessions: set[Session] = websocket.app.state.sessions
     connections = session.metrics.connections_active.labels("ws")
