@@ -13,6 +13,7 @@ carries a malformed chunk, `ConfigError` when no model is configured.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ class Delta:
 
 
 KEEPALIVE = Delta("keepalive")
+RETRY_AFTER_CAP = 10.0
 
 
 class LLMClient:
@@ -77,11 +79,7 @@ class LLMClient:
         splitter = ThinkSplitter()
         received = False
         try:
-            async with client.chat.completions.with_streaming_response.create(
-                model=model or self.settings.model,
-                messages=list(messages),  # type: ignore[arg-type]
-                stream=True,
-            ) as response:
+            async with self._open_stream(client, messages, model) as response:
                 async for line in response.http_response.aiter_lines():
                     if not line:
                         continue
@@ -113,6 +111,26 @@ class LLMClient:
             raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
             yield delta
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(
+        self, client: openai.AsyncOpenAI, messages: Sequence[Message], model: str | None
+    ) -> AsyncIterator[Any]:
+        """The streamed response, opened; a 429 is retried once (after its Retry-After,
+        at most `RETRY_AFTER_CAP` seconds) — only here, before the first token."""
+        for attempt in range(2):
+            try:
+                async with client.chat.completions.with_streaming_response.create(
+                    model=model or self.settings.model,
+                    messages=list(messages),  # type: ignore[arg-type]
+                    stream=True,
+                ) as response:
+                    yield response
+                    return
+            except openai.RateLimitError as exc:
+                if attempt:
+                    raise
+                await asyncio.sleep(_retry_after(exc))
 
     async def complete(
         self,
@@ -223,6 +241,15 @@ def _status_message(exc: openai.APIStatusError) -> str:
         error = body.get("error", body)
         detail = error.get("message") if isinstance(error, dict) else error
     return f"the model answered {exc.status_code}: {detail or exc.message}"
+
+
+def _retry_after(exc: openai.APIStatusError) -> float:
+    value = exc.response.headers.get("retry-after", "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.0), RETRY_AFTER_CAP)
 
 
 def _cause(exc: BaseException) -> str:

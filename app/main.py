@@ -28,6 +28,7 @@ from .search.web import WebSearch
 from .store import Store, open_store
 from .streams import StreamHub, open_hub
 from .transport import sse, ws
+from .transport.http import AuthMiddleware
 
 log = logging.getLogger("app")
 
@@ -124,10 +125,11 @@ def create_app(
         Middleware(AccessLog),
         Middleware(
             CORSMiddleware,
-            allow_origins=list(settings.server.cors_origins),
+            allow_origins=origins,
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["authorization", "content-type", "last-event-id"],
         ),
+        Middleware(AuthMiddleware, auth=auth),
     ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 

@@ -42,6 +42,7 @@ def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model.streams.clear()
     model.replies[:] = DEFAULT_REPLIES
     model.reply_delay = 0.0
+    model.flaked.clear()
     return model
 
 
@@ -99,12 +100,12 @@ async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @contextlib.contextmanager
-def start_redis() -> Iterator[str]:
-    """A real redis-server on a free loopback port, stopped on exit."""
+def start_redis(port: int | None = None) -> Iterator[str]:
+    """A real redis-server on a loopback port (a free one by default), stopped on exit."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: run `bash scripts/test.sh`, which installs it")
-    port = free_port()
+    port = port or free_port()
     workdir = tempfile.mkdtemp(prefix="redistest-")
     proc = subprocess.Popen(
         [

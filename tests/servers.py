@@ -59,6 +59,11 @@ class ServerThread(Loopback):
         try:
             self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
         finally:
+            # what the app's libraries left running (sse-starlette's shutdown watcher)
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self.loop.close()
 
     def start(self) -> ServerThread:

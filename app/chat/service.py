@@ -37,6 +37,7 @@ log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
+STORE_RETRY_DELAYS = (0.2, 0.5, 1.0, None)  # then give up and say so
 HISTORY_MESSAGES = 20
 TITLE_MAX_CHARS = 80
 
@@ -415,19 +416,26 @@ class Generation:
 
     async def _finish(self, status: str, error: AppError | None) -> None:
         svc, h = self.service, self.handle
-        try:
-            await self._save_chat()
-            await self._save_question(status)
-            await svc.store.finish_message(
-                h.answer_id,
-                content="".join(self.content),
-                reasoning="".join(self.reasoning),
-                status=status if error is None else "failed",
-            )
-        except Exception:
-            log.exception("saving answer %s failed", h.answer_id)
-            if error is None:
-                error = AppError("the answer could not be saved")
+        final = status if error is None else "failed"
+        for delay in STORE_RETRY_DELAYS:
+            try:
+                await self._save_chat()
+                await self._save_question(final)
+                await svc.store.finish_message(
+                    h.answer_id,
+                    content="".join(self.content),
+                    reasoning="".join(self.reasoning),
+                    status=final,
+                )
+                break
+            except Exception as exc:  # any store failure: retry briefly, then report it
+                if delay is None:
+                    log.exception("saving answer %s failed", h.answer_id)
+                    if error is None:
+                        error = AppError("the answer could not be saved")
+                else:
+                    log.warning("saving answer %s failed (%r); retrying", h.answer_id, exc)
+                    await asyncio.sleep(delay)
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
             svc.metrics.errors.labels(error.key).inc()

@@ -8,6 +8,8 @@ in `PRAGMA user_version`, inside one transaction.
 from __future__ import annotations
 
 import asyncio
+import random
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from .base import (
     chat_from_row,
     message_from_row,
 )
+
+OPEN_ATTEMPTS = 100
 
 MIGRATIONS = (
     """
@@ -69,27 +73,26 @@ class SQLiteStore(Store):
         self._write_lock = asyncio.Lock()
 
     async def open(self) -> None:
+        """Connect, switch to WAL and migrate. Several processes may open one file at
+        once; the moments SQLite refuses with "locked" instead of waiting (switching
+        the journal mode) are retried for a few seconds."""
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        db = await aiosqlite.connect(self.path, isolation_level=None)
-        await db.execute("PRAGMA journal_mode=WAL")
-        await db.execute("PRAGMA foreign_keys=ON")
-        await db.execute("PRAGMA busy_timeout=5000")
-        await db.execute("PRAGMA synchronous=NORMAL")
-        async with db.execute("PRAGMA user_version") as cur:
-            row = await cur.fetchone()
-        version = row[0] if row else 0
-        if version < len(MIGRATIONS):
-            await db.execute("BEGIN IMMEDIATE")
+        for attempt in range(OPEN_ATTEMPTS):
+            db = await aiosqlite.connect(self.path, isolation_level=None, timeout=5.0)
             try:
-                for number in range(version, len(MIGRATIONS)):
-                    await _run_script(db, MIGRATIONS[number])
-                await db.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
-                await db.execute("COMMIT")
+                await _prepare(db)
+            except sqlite3.OperationalError as exc:
+                await db.close()
+                if "locked" not in str(exc) or attempt == OPEN_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.02 + random.random() * 0.08)
+                continue
             except BaseException:
-                await db.execute("ROLLBACK")
+                await db.close()
                 raise
-        self._db = db
+            self._db = db
+            return
 
     async def close(self) -> None:
         db, self._db = self._db, None
@@ -199,6 +202,28 @@ class SQLiteStore(Store):
         ) as cur:
             rows = await cur.fetchall()
         return [_message(row) for row in rows]
+
+
+async def _prepare(db: aiosqlite.Connection) -> None:
+    await db.execute("PRAGMA busy_timeout=5000")
+    await db.execute("PRAGMA journal_mode=WAL")
+    await db.execute("PRAGMA foreign_keys=ON")
+    await db.execute("PRAGMA synchronous=NORMAL")
+    await db.execute(
+        "BEGIN IMMEDIATE"
+    )  # one migrator at a time; the version is read under the lock
+    try:
+        async with db.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        version = row[0] if row else 0
+        for number in range(version, len(MIGRATIONS)):
+            await _run_script(db, MIGRATIONS[number])
+        if version < len(MIGRATIONS):
+            await db.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
+        await db.execute("COMMIT")
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
 
 
 async def _run_script(db: aiosqlite.Connection, script: str) -> None:

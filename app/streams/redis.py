@@ -199,7 +199,10 @@ class RedisHub(MemoryHub):
             answer_id = await self.redis.get(_latest(chat_id))
         except RedisError as exc:
             raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
-        return await self.find(answer_id.decode()) if answer_id else None
+        if answer_id:
+            return await self.find(answer_id.decode())
+        # Redis lost it (restarted without persistence): this process may still hold it
+        return await super().latest(chat_id)
 
     async def find(self, answer_id: str) -> Handle | None:
         local = self._local(answer_id)
@@ -232,6 +235,8 @@ class RedisHub(MemoryHub):
                     "redis unavailable, %d generations not flushed: %s", len(self._dirty), exc
                 )
                 await asyncio.sleep(0.5)
+                if self._dirty:
+                    self._wake.set()  # try again: finished generations append nothing more
 
     async def _flush(self) -> None:
         """Write every pending event; serialised, so each log's entries stay in order."""

@@ -9,10 +9,12 @@ message, so one test can pick it per request:
     #wait=S        seconds before the first chunk
     #keepalive=N   N ": keep-alive" comments before the first token
     #fail=CODE     answer HTTP CODE with an OpenAI-style error body
+    #flaky=CODE    answer CODE (with Retry-After: 0.2) the first time this message is asked
     #break=N       drop the connection after N content tokens
     #malformed=N   send a malformed chunk after N content tokens
     #empty         a 200 with an empty body
     #hang          send the first token, then wait until the client goes
+    #size=K        each content token is K characters long
     #think         content tokens carry "<think>…</think>" cut across chunks
 
 Non-streamed completions (rewrite, title, suggestions, ranking) answer from
@@ -61,6 +63,7 @@ class FakeModel:
     streams: list[StreamRecord] = field(default_factory=list)
     embedding_dims: int = 64
     reply_delay: float = 0.0
+    flaked: set[str] = field(default_factory=set)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -108,6 +111,9 @@ class FakeModel:
         script = {name: value for name, value in DIRECTIVE.findall(last_user)}
         if "fail" in script:
             return _error(int(script["fail"]), f"fake failure {script['fail']}")
+        if "flaky" in script and last_user not in self.flaked:
+            self.flaked.add(last_user)
+            return _error(int(script["flaky"]), "fake flaky failure", {"Retry-After": "0.2"})
         if "empty" in script:
             return Response(b"", media_type="text/event-stream")
         record = StreamRecord()
@@ -138,7 +144,13 @@ class FakeModel:
                 yield _chunk({"reasoning_content": f"why{i} "})
                 if delay:
                     await asyncio.sleep(delay)
-            pieces = think_pieces() if "think" in script else [f"tok{i} " for i in range(tokens)]
+            size = int(script.get("size") or 0)
+            if "think" in script:
+                pieces = think_pieces()
+            elif size:
+                pieces = [f"tok{i} ".ljust(size, "x") for i in range(tokens)]
+            else:
+                pieces = [f"tok{i} " for i in range(tokens)]
             for i, piece in enumerate(pieces):
                 if break_at is not None and i == break_at:
                     record.outcome = "broken"
@@ -215,10 +227,11 @@ def _completion(text: str) -> dict[str, Any]:
     }
 
 
-def _error(status: int, message: str) -> Response:
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return JSONResponse(
         {"error": {"message": message, "type": "fake_error", "code": str(status)}},
         status_code=status,
+        headers=headers,
     )
 
 

@@ -1,0 +1,379 @@
+"""Tests that try to break it: fuzzed input, upstream faults, abrupt and stuck clients,
+Redis going away — always a well-formed answer, nothing leaked, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
+
+from app.errors import BadRequest
+from app.main import create_app
+from app.protocol import loads, parse_chat_request
+from tests.client import SseEvent, chat_body, iter_sse, sse_chat
+from tests.conftest import start_redis
+from tests.servers import free_port, serve
+
+pytestmark = pytest.mark.anyio
+
+KEYS = (
+    "BAD_REQUEST",
+    "UNAUTHORIZED",
+    "FORBIDDEN",
+    "RATE_LIMITED",
+    "NOT_FOUND",
+    "CHAT_ERROR",
+    "STREAM_ERROR",
+    "SEARCH_ERROR",
+    "CONFIG_ERROR",
+    "INTERNAL",
+)
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+request_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "cancel", "resume", "ping", "other"]) | json_values,
+        "userId": st.sampled_from(["1", "0", "-1", "x", 2**64, "007"]) | json_values,
+        "message": st.fixed_dictionaries(
+            {},
+            optional={
+                "content": st.text(max_size=60) | json_values,
+                "chatId": json_values,
+                "messageId": json_values,
+            },
+        )
+        | json_values,
+        "focusMode": st.sampled_from(["webSearch", "deepSeek", "nope"]) | json_values,
+        "optimizationMode": st.sampled_from(["speed", "quality", "x"]) | json_values,
+        "copilotEnabled": json_values,
+        "history": st.lists(st.lists(st.text(max_size=10), max_size=3), max_size=3) | json_values,
+        "format": st.sampled_from(["default", "simple", "xml"]) | json_values,
+        "files": json_values,
+    },
+)
+
+
+@given(body=request_like | json_values)
+@hyp_settings(max_examples=400, deadline=None)
+def test_the_parser_accepts_or_refuses_with_bad_request_and_nothing_else(body):
+    try:
+        request = parse_chat_request(body, max_content_chars=100, max_history_messages=5)
+    except BadRequest as exc:
+        assert exc.message
+        return
+    assert request.content.strip() and request.focus_mode and request.user_id.isdigit()
+
+
+@given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+@hyp_settings(max_examples=300, deadline=None)
+def test_decoding_any_bytes_is_json_or_bad_request(raw):
+    try:
+        loads(raw)
+    except BadRequest:
+        pass
+
+
+def check_answer(response: httpx.Response) -> None:
+    """A well-formed answer: a JSON error with a known key, or a stream that ends."""
+    if response.status_code == 200:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = [
+            orjson.loads(line[5:])
+            for line in response.text.splitlines()
+            if line.startswith("data:")
+        ]
+        assert data[-1]["type"] in ("messageEnd", "error", "complete")
+    else:
+        body = response.json()
+        assert body["type"] == "error" and body["key"] in KEYS and body["data"]
+        assert response.status_code in (400, 403, 404, 413, 429, 503)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory, fake_model_server, fake_search_server):
+    from app.config import Settings
+
+    model, model_thread = fake_model_server
+    search, _ = fake_search_server
+    settings = Settings().replace(
+        llm={"base_url": model_thread.url + "/v1", "api_key": model.api_key, "model": "m"},
+        store={"url": f"sqlite:///{tmp_path_factory.mktemp('fuzz')}/fuzz.db"},
+        tavily={"api_key": search.api_key, "base_url": search.base_url + "/tavily"},
+        reader={"base_url": search.base_url + "/jina"},
+        limits={"max_concurrent_generations": 0, "ws_messages_per_second": 0},
+    )
+    with serve(create_app(settings)) as server:
+        yield server
+
+
+fuzz_bodies = request_like.map(lambda b: json.dumps(b).encode()) | st.binary(max_size=300)
+
+
+@given(raw=fuzz_bodies)
+@hyp_settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_the_sse_endpoint_always_answers_well_formed(fuzz_server, raw):
+    with httpx.Client(base_url=fuzz_server.url, timeout=20) as http:
+        check_answer(http.post("/api/chat/sse", content=raw))
+        assert http.get("/healthz").status_code == 200
+
+
+@given(
+    frames=st.lists(fuzz_bodies | st.text(max_size=100).map(str.encode), min_size=1, max_size=6),
+    binary=st.booleans(),
+)
+@hyp_settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_the_websocket_survives_any_frames(fuzz_server, frames, binary):
+    from httpx_ws import connect_ws
+
+    with (
+        httpx.Client(timeout=20) as http,
+        connect_ws(fuzz_server.ws_url + "/api/chat/ws", http) as ws,
+    ):
+        assert orjson.loads(ws.receive_text())["type"] == "signal"
+        for raw in frames:
+            if binary:
+                ws.send_bytes(raw)
+            else:
+                try:
+                    ws.send_text(raw.decode())
+                except UnicodeDecodeError:
+                    ws.send_bytes(raw)
+        ws.send_text('{"type": "ping"}')
+        while True:  # every frame gets an answer; the ping's comes once the socket has caught up
+            frame = orjson.loads(ws.receive_text())
+            if frame == {"type": "pong"}:
+                break
+            assert "type" in frame
+            if frame["type"] == "error":
+                assert frame["key"] in KEYS
+
+
+async def _state(app):
+    service = app.state.service
+    return {
+        "generations": service.running(),
+        "claims": len(service.hub._running),
+        "tasks": len(asyncio.all_tasks()),
+    }
+
+
+async def settled(server, baseline_tasks, timeout=10.0):
+    """Wait until nothing runs on the server beyond what it ran when idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = server.call(_state(server.app))
+        if (state["generations"], state["claims"]) == (0, 0) and state["tasks"] <= baseline_tasks:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leaked: {state} (idle tasks: {baseline_tasks})")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("directive", "key"),
+    [
+        ("#fail=500", "STREAM_ERROR"),
+        ("#fail=503", "STREAM_ERROR"),
+        ("#fail=429", "STREAM_ERROR"),
+        ("#break=3", "STREAM_ERROR"),
+        ("#malformed=3", "STREAM_ERROR"),
+        ("#empty", "STREAM_ERROR"),
+        ("#tokens=3 #delay=1.5", "STREAM_ERROR"),  # read timeout between tokens
+    ],
+)
+async def test_upstream_faults_end_cleanly_with_nothing_leaked(
+    settings, fake_model, directive, key
+):
+    with serve(create_app(settings.replace(llm={"read_timeout_seconds": 0.5}))) as server:
+        idle = server.call(_state(server.app))["tasks"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            events = await sse_chat(http, chat_body(f"q {directive}", chatId="960"))
+            assert events[-1].type == "error" and events[-1].data["key"] == key
+            answer = (await http.get("/api/chats/960")).json()["messages"][-1]
+            assert answer["status"] == "failed"
+            await settled(server, idle + 2)  # the title chore may still be finishing
+    for record in fake_model.streams:
+        assert record.outcome != "open"
+
+
+async def test_a_429_before_the_first_token_is_retried_once(client, fake_model):
+    events = await sse_chat(client, chat_body("q #flaky=429"))
+    assert events[-1].data["status"] == "completed"
+    assert len(fake_model.streamed_requests()) == 2
+
+
+async def test_a_model_that_never_answers_times_out(settings, fake_model):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never says a word
+    port = silent.getsockname()[1]
+    try:
+        mute = settings.replace(
+            llm={"base_url": f"http://127.0.0.1:{port}/v1", "read_timeout_seconds": 0.5}
+        )
+        with serve(create_app(mute)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("q"))
+                assert time.monotonic() - started < 5
+        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
+    finally:
+        silent.close()
+
+
+async def test_two_hundred_abrupt_disconnects_leak_nothing(settings, fake_model):
+    uncapped = settings.replace(limits={"max_concurrent_generations": 0})
+    with serve(create_app(uncapped)) as server:
+        await _two_hundred_abrupt_disconnects(server)
+
+
+async def _two_hundred_abrupt_disconnects(server):
+    idle = server.call(_state(server.app))["tasks"]
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=60)
+    ) as http:
+
+        async def hang_up(i):
+            body = chat_body(f"q{i} #tokens=30 #delay=0.01 #reasoning=0", chatId=str(10_000 + i))
+            async with http.stream("POST", "/api/chat/sse", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if '"data":"tok1 "' in line:
+                        return  # drop the connection mid-answer
+            raise AssertionError("the answer ended before the client hung up")
+
+        for start in range(0, 200, 50):
+            await asyncio.gather(*(hang_up(i) for i in range(start, start + 50)))
+        state = await settled(server, idle + 2, timeout=30)
+        assert state["generations"] == 0
+        metrics = (await http.get("/metrics")).text
+        assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics
+        saved = (await http.get("/api/chats/10199")).json()["messages"][-1]
+        assert saved["status"] == "completed"  # each kept going after its client left
+        assert saved["content"].endswith("tok29 ")
+
+
+async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_model):
+    with serve(create_app(settings.replace(stream={"client_timeout_seconds": 1.0}))) as server:
+        stuck = socket.create_connection(("127.0.0.1", server.port))
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = orjson.dumps(chat_body("huge #tokens=4000 #size=2000 #reasoning=0", chatId="970"))
+        stuck.sendall(
+            b"POST /api/chat/sse HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            + b"content-length: %d\r\n\r\n" % len(body)
+            + body
+        )  # ... and never reads
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+                await asyncio.sleep(0.5)
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId="971"))
+                assert events[-1].data["status"] == "completed"
+                assert time.monotonic() - started < 1.0
+                deadline = time.monotonic() + 20
+                while True:  # the stuck one's generation still ends, and is saved whole
+                    answer = (await http.get("/api/chats/970")).json()["messages"][-1]
+                    if answer["status"] != "streaming" or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.2)
+                assert answer["status"] == "completed"
+                assert len(answer["content"]) == 4000 * 2000
+                metrics = (await http.get("/metrics")).text
+                assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics  # let go
+        finally:
+            stuck.close()
+
+
+async def test_redis_down_refuses_new_work_clearly_then_recovers(settings, fake_model):
+    port = free_port()
+    with start_redis(port) as redis_url:
+        app = create_app(
+            settings.replace(redis={"url": redis_url}, stream={"flush_interval_ms": 10})
+        )
+        server = serve(app)
+        running = server.__enter__()
+    try:
+        # redis is gone: a running stream was not there, but new ones are refused clearly
+        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+            refused = await http.post("/api/chat/sse", json=chat_body("q"))
+            assert refused.status_code == 503 and "redis" in refused.json()["data"]
+            cancel = await http.post("/api/chat/cancel", json={"chatId": "1"})
+            assert cancel.status_code == 503
+        with start_redis(port):
+            async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+                async with http.stream(
+                    "POST",
+                    "/api/chat/sse",
+                    json=chat_body("long #tokens=200 #delay=0.01", chatId="980"),
+                ) as response:
+                    stream = iter_sse(response)
+                    async for item in stream:
+                        if (
+                            isinstance(item, SseEvent)
+                            and item.type == "message"
+                            and item.data["data"]
+                        ):
+                            break
+                    assert (
+                        await http.post("/api/chat/cancel", json={"chatId": "980"})
+                    ).status_code == 200
+                    tail = [e async for e in stream if isinstance(e, SseEvent)]
+                assert tail[-1].data["status"] == "cancelled"
+    finally:
+        server.__exit__(None, None, None)
+
+
+async def test_streams_continue_while_redis_restarts(settings, fake_model):
+    port = free_port()
+    redis = start_redis(port)
+    redis_url = redis.__enter__()
+    app = create_app(settings.replace(redis={"url": redis_url}, stream={"flush_interval_ms": 10}))
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            async with http.stream(
+                "POST",
+                "/api/chat/sse",
+                json=chat_body("long #tokens=150 #delay=0.02", chatId="990"),
+            ) as response:
+                events = []
+                async for item in iter_sse(response):
+                    if isinstance(item, SseEvent):
+                        events.append(item)
+                        if len(events) == 10:
+                            redis.__exit__(None, None, None)  # redis stops mid-answer
+                        if len(events) == 60:
+                            redis = start_redis(port)  # ... and comes back
+                            redis.__enter__()
+            assert events[-1].data["status"] == "completed"
+            assert "".join(e.data["data"] for e in events if e.type == "message") == "".join(
+                f"tok{i} " for i in range(150)
+            )
+            # once back, the generation can still be resumed here (Redis lost what it held)
+            await asyncio.sleep(0.5)
+            replay = await http.get("/api/chat/sse/resume", params={"chatId": "990"})
+            assert replay.status_code == 200
+            assert replay.text.count("data:") == len(events)
+    redis.__exit__(None, None, None)
