@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from .errors import BadRequest, Forbidden, NotFound
 from .protocol import FOCUS_MODES, OPTIMIZATION_MODES, parse_control, parse_id
 from .transport.http import client_identity, count_request, guard, read_json
+
+WEB_INDEX = Path(__file__).resolve().parent / "web" / "index.html"
 
 
 def _service(request: Request):  # type: ignore[no-untyped-def]
@@ -174,3 +177,8 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     body, content_type = request.app.state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+async def web_client(request: Request) -> Response:
+    """The browser client (static files under /static)."""
+    return FileResponse(WEB_INDEX, headers={"Cache-Control": "no-cache"})

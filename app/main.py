@@ -7,11 +7,13 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 
 from . import api, config, logs
 from .chat.research import DeepResearch
@@ -31,6 +33,7 @@ from .transport import sse, ws
 from .transport.http import AuthMiddleware
 
 log = logging.getLogger("app")
+WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 def create_app(
@@ -120,6 +123,8 @@ def create_app(
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/", api.web_client, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=WEB_DIR), name="static"),
     ]
     middleware = [
         Middleware(AccessLog),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up and runs the test suite on a new machine (Debian/Ubuntu, Python 3.11+):
-# a virtualenv with the package and its test extras, the services the tests
-# start on loopback (redis-server, PostgreSQL, Chromium), then ruff and pytest.
+# a virtualenv with the package and its test extras, and what the tests start
+# on loopback (redis-server, PostgreSQL) or drive (Debian's Chromium, through
+# Playwright — never Playwright's own browser download), then ruff and pytest.
 # Extra arguments go to pytest: scripts/test.sh -k cancel -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ python=${PYTHON:-python3}
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   missing+=(postgresql)
 fi

@@ -43,6 +43,7 @@ def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model.replies[:] = DEFAULT_REPLIES
     model.reply_delay = 0.0
     model.flaked.clear()
+    model.answer_text = None
     return model
 
 

@@ -197,3 +197,9 @@ async def test_config_and_health(client):
     assert (await client.get("/healthz")).status_code == 200
     ready = await client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+async def test_an_answer_follows_its_question_whatever_ids_the_client_picks(client, fake_model):
+    await sse_chat(client, chat_body("big id", chatId="130", messageId=str(2**62 + 5)))
+    roles = [m["role"] for m in (await client.get("/api/chats/130")).json()["messages"]]
+    assert roles == ["user", "assistant"]

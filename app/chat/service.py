@@ -377,7 +377,7 @@ class Generation:
                 h.chat_id,
                 "assistant",
                 "",
-                now,
+                now + 0.000001,  # after its question, whatever the ids (clients may pick them)
                 status=answer_status,
                 reply_to=h.question_id,
             )

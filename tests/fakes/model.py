@@ -64,6 +64,7 @@ class FakeModel:
     embedding_dims: int = 64
     reply_delay: float = 0.0
     flaked: set[str] = field(default_factory=set)
+    answer_text: str | None = None  # when set, streamed word by word instead of "tok0 tok1 …"
 
     def app(self) -> Starlette:
         return Starlette(
@@ -145,7 +146,9 @@ class FakeModel:
                 if delay:
                     await asyncio.sleep(delay)
             size = int(script.get("size") or 0)
-            if "think" in script:
+            if self.answer_text is not None:
+                pieces = re.findall(r"\S+\s*|\s+", self.answer_text)
+            elif "think" in script:
                 pieces = think_pieces()
             elif size:
                 pieces = [f"tok{i} ".ljust(size, "x") for i in range(tokens)]
