@@ -86,6 +86,16 @@ async def test_messages_keep_order_status_reasoning_rewrite_and_sources(store):
     assert (await store.get_message("5")).sources == []
 
 
+async def test_several_messages_in_one_call(store):
+    await store.create_chat(chat("1"))
+    await store.add_message(message("21", at=1.0, content="already there"))
+    await store.add_messages(
+        [message("21", at=2.0, content="ignored"), message("22", at=3.0, role="assistant")]
+    )
+    listed = await store.list_messages("1")
+    assert [(m.id, m.content) for m in listed] == [("21", "already there"), ("22", "text 22")]
+
+
 async def test_reopening_runs_no_migration_twice(store_url):
     async with open_store(store_url) as first:
         await first.create_chat(chat("1"))

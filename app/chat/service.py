@@ -256,6 +256,7 @@ class Generation:
         self.request = request
         self.handle = handle
         self.chat = chat
+        self.new_chat = chat is None
         self.out: RecordingEmitter
         self.task: asyncio.Task[None] | None = None
         self.cancel_requested = False
@@ -314,11 +315,12 @@ class Generation:
     async def _generate(self) -> None:
         svc, req = self.service, self.request
         await self._save_chat()
-        history = (
-            list(req.history)
-            if req.history is not None
-            else await svc.stored_history(self.handle.chat_id)
-        )
+        if req.history is not None:
+            history = list(req.history)
+        elif self.new_chat:
+            history = []  # nothing to read back
+        else:
+            history = await svc.stored_history(self.handle.chat_id)
         if len(req.content) > REWRITE_MIN_CHARS or history:
             self.rewritten = await svc.rewrite(req.content, history)
             if self.rewritten:
@@ -366,22 +368,20 @@ class Generation:
             return
         store, req, h = self.service.store, self.request, self.handle
         now = time.time()
-        await store.add_message(
-            StoredMessage(
-                h.question_id, h.chat_id, "user", req.content, now, rewritten=self.rewritten
-            )
+        question = StoredMessage(
+            h.question_id, h.chat_id, "user", req.content, now, rewritten=self.rewritten
         )
-        await store.add_message(
-            StoredMessage(
-                h.answer_id,
-                h.chat_id,
-                "assistant",
-                "",
-                now + 0.000001,  # after its question, whatever the ids (clients may pick them)
-                status=answer_status,
-                reply_to=h.question_id,
-            )
+        # after its question, whatever the ids (clients may pick them)
+        answer = StoredMessage(
+            h.answer_id,
+            h.chat_id,
+            "assistant",
+            "",
+            now + 0.000001,
+            status=answer_status,
+            reply_to=h.question_id,
         )
+        await store.add_messages([question, answer])
         self.answer_saved = True
 
     async def _system_prompt(self, mode: FocusMode, question: str) -> str:

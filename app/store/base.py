@@ -92,6 +92,22 @@ def message_from_row(row: Any, sources: list[dict[str, Any]]) -> StoredMessage:
     )
 
 
+def message_params(message: StoredMessage, sources: Any) -> tuple[Any, ...]:
+    """The values of `MESSAGE_COLUMNS` for an insert, with the sources already encoded."""
+    return (
+        int(message.id),
+        int(message.chat_id),
+        message.role,
+        message.content,
+        message.reasoning,
+        message.rewritten,
+        sources,
+        message.status,
+        int(message.reply_to) if message.reply_to else None,
+        message.created_at,
+    )
+
+
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -131,6 +147,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def add_message(self, message: StoredMessage) -> bool:
         """Insert a message; False when the id exists already."""
+
+    @abc.abstractmethod
+    async def add_messages(self, messages: list[StoredMessage]) -> None:
+        """Insert several messages in one round trip; ids that exist are left alone."""
 
     @abc.abstractmethod
     async def finish_message(

@@ -20,6 +20,7 @@ from .base import (
     StoredMessage,
     chat_from_row,
     message_from_row,
+    message_params,
 )
 
 LOCK_ID = 7_138_337_258  # pg_advisory_xact_lock key of the migrations
@@ -119,21 +120,13 @@ class PostgresStore(Store):
         return status.endswith(" 1")
 
     async def add_message(self, message: StoredMessage) -> bool:
-        status = await self.pool.execute(
-            f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
-            " ON CONFLICT (id) DO NOTHING",
-            int(message.id),
-            int(message.chat_id),
-            message.role,
-            message.content,
-            message.reasoning,
-            message.rewritten,
-            message.sources,
-            message.status,
-            int(message.reply_to) if message.reply_to else None,
-            message.created_at,
-        )
+        status = await self.pool.execute(_INSERT_MESSAGE, *message_params(message, message.sources))
         return status.endswith(" 1")
+
+    async def add_messages(self, messages: list[StoredMessage]) -> None:
+        await self.pool.executemany(
+            _INSERT_MESSAGE, [message_params(m, m.sources) for m in messages]
+        )
 
     async def finish_message(
         self, message_id: str, *, content: str, reasoning: str, status: str
@@ -163,6 +156,12 @@ class PostgresStore(Store):
             int(chat_id),
         )
         return [_message(row) for row in rows]
+
+
+_INSERT_MESSAGE = (
+    f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    " ON CONFLICT (id) DO NOTHING"
+)
 
 
 async def migrate(pool: asyncpg.Pool) -> int:

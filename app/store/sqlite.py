@@ -24,6 +24,7 @@ from .base import (
     StoredMessage,
     chat_from_row,
     message_from_row,
+    message_params,
 )
 
 OPEN_ATTEMPTS = 100
@@ -157,22 +158,12 @@ class SQLiteStore(Store):
         return count == 1
 
     async def add_message(self, message: StoredMessage) -> bool:
-        count = await self._write(
-            f"INSERT OR IGNORE INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                int(message.id),
-                int(message.chat_id),
-                message.role,
-                message.content,
-                message.reasoning,
-                message.rewritten,
-                orjson.dumps(message.sources).decode(),
-                message.status,
-                int(message.reply_to) if message.reply_to else None,
-                message.created_at,
-            ),
-        )
+        count = await self._write(_INSERT_MESSAGE, _params(message))
         return count == 1
+
+    async def add_messages(self, messages: list[StoredMessage]) -> None:
+        async with self._write_lock:
+            await self.db.executemany(_INSERT_MESSAGE, [_params(m) for m in messages])
 
     async def finish_message(
         self, message_id: str, *, content: str, reasoning: str, status: str
@@ -231,6 +222,15 @@ async def _run_script(db: aiosqlite.Connection, script: str) -> None:
     for statement in script.split(";"):
         if statement.strip():
             await db.execute(statement)
+
+
+_INSERT_MESSAGE = (
+    f"INSERT OR IGNORE INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _params(message: StoredMessage) -> tuple[Any, ...]:
+    return message_params(message, orjson.dumps(message.sources).decode())
 
 
 def _chat(row: Any) -> Chat:

@@ -1,0 +1,238 @@
+"""The load generator: many concurrent SSE and WebSocket clients, cheap per event.
+
+SSE clients speak HTTP/1.1 over raw asyncio streams (chunked decoding and
+event splitting by hand, JSON only where a figure needs it), WebSocket clients
+use the `websockets` library; both are far cheaper per event than a general
+HTTP client, so the load generator's core is not the bottleneck it measures.
+
+    python -m bench.load --url http://127.0.0.1:8080 --streams 200 --tokens 200 --rate 20 --seconds 10
+
+runs a bounded load (half SSE, half WebSocket) and prints what it saw; the
+benchmark suite (`python -m bench.run`) uses the functions below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import orjson
+from websockets.asyncio.client import connect as ws_connect
+
+_ids = itertools.count(1)
+
+
+def chat_id() -> str:
+    return str(10**15 + next(_ids) + (time.time_ns() // 1000 % 10**9) * 10**6)
+
+
+def request(content: str, **fields: object) -> dict:
+    return {
+        "userId": str(fields.pop("userId", "1")),
+        "focusMode": "deepSeek",
+        "message": {"chatId": chat_id(), "content": content},
+        **fields,
+    }
+
+
+@dataclass
+class StreamResult:
+    events: int = 0
+    tokens: int = 0
+    answer: list[str] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    first_event_s: float = 0.0
+    end: str = ""
+    answer_id: str = ""
+
+
+async def _sse_chunks(
+    url: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
+) -> AsyncIterator[bytes]:
+    """The decoded body chunks of a streamed HTTP/1.1 response."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port, limit=2**22)
+    try:
+        method = "POST" if body is not None else "GET"
+        head = [f"{method} {path} HTTP/1.1", f"Host: {parts.netloc}", "Accept: text/event-stream"]
+        if body is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
+        status_line = await reader.readline()
+        if b" 200 " not in status_line:
+            raise RuntimeError(f"server answered {status_line!r}")
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
+                chunked = True
+        while True:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                data = await reader.readexactly(size + 2)
+                yield data[:-2]
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                yield data
+    finally:
+        writer.close()
+
+
+async def sse_stream(
+    url: str,
+    body: dict,
+    *,
+    parse: bool = True,
+    stamps: bool = False,
+    path: str = "/api/chat/sse",
+    headers: dict[str, str] | None = None,
+    payload: bytes | None = None,
+    stop_after: int = 0,
+) -> StreamResult:
+    """Read one SSE stream to its end (or `stop_after` events). With `parse`, decode
+    every event (answer, seqs, latencies); else only count them."""
+    result = StreamResult()
+    started = time.perf_counter()
+    buffer = b""
+    data = payload if payload is not None else (orjson.dumps(body) if body else None)
+    async for chunk in _sse_chunks(url, path, data, headers):
+        if not result.first_event_s:
+            result.first_event_s = time.perf_counter() - started
+        if not parse:
+            result.events += chunk.count(b"data: ")
+            if b'"messageEnd"' in chunk or b'"type":"error"' in chunk:
+                result.end = "messageEnd" if b'"messageEnd"' in chunk else "error"
+            continue
+        buffer += chunk
+        *events, buffer = buffer.split(b"\n\n")
+        now_ns = time.time_ns()
+        for raw in events:
+            if not raw or raw.startswith(b":"):
+                continue
+            event_id, _, data_line = raw.partition(b"\ndata: ")
+            event = orjson.loads(data_line)
+            result.events += 1
+            result.seqs.append(int(event_id.rsplit(b":", 1)[1]))
+            _account(result, event, now_ns, stamps)
+            if stop_after and result.events >= stop_after:
+                return result
+    return result
+
+
+def _account(result: StreamResult, event: dict, now_ns: int, stamps: bool) -> None:
+    kind = event["type"]
+    if not result.answer_id and "messageId" in event:
+        result.answer_id = event["messageId"]
+    if kind == "message" and event["data"]:
+        result.tokens += 1
+        result.answer.append(event["data"])
+        if stamps:
+            result.latencies_ms.append((now_ns - int(event["data"][1:-1])) / 1e6)
+    elif kind in ("messageEnd", "error"):
+        result.end = event.get("status", kind)
+
+
+async def ws_stream(
+    url: str, body: dict, *, stamps: bool = False, parse: bool = True
+) -> StreamResult:
+    result = StreamResult()
+    async with ws_connect(
+        url.replace("http", "ws", 1) + "/api/chat/ws", max_size=2**24, compression=None
+    ) as ws:
+        await ws.recv()  # signal: open
+        started = time.perf_counter()
+        await ws.send(orjson.dumps(body).decode())
+        async for frame in ws:
+            if not result.first_event_s:
+                result.first_event_s = time.perf_counter() - started
+            result.events += 1
+            if not parse and '"messageEnd"' not in frame and '"error"' not in frame:
+                continue
+            event = orjson.loads(frame)
+            if "eventId" in event:
+                result.seqs.append(int(event["eventId"].rsplit(":", 1)[1]))
+            _account(result, event, time.time_ns(), stamps)
+            if event["type"] in ("messageEnd", "error"):
+                return result
+    return result
+
+
+async def mixed_load(
+    url: str,
+    streams: int,
+    tokens: int,
+    rate: float,
+    *,
+    stamps: bool = True,
+    ramp_seconds: float = 2.0,
+) -> list[StreamResult]:
+    """`streams` concurrent streams, half SSE and half WebSocket, started over
+    `ramp_seconds`, each `tokens` tokens at `rate` tokens a second."""
+    content = f"#tokens={tokens} #rate={rate:g}" + (" #stamp" if stamps else "")
+
+    async def one(i: int) -> StreamResult:
+        await asyncio.sleep(ramp_seconds * i / streams)
+        body = request(content, userId=i + 1)
+        if i % 2:
+            return await ws_stream(url, body, stamps=stamps)
+        return await sse_stream(url, body, stamps=stamps)
+
+    return await asyncio.gather(*(one(i) for i in range(streams)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=20)
+    parser.add_argument("--seconds", type=float, default=10, help="upper bound on the run")
+    args = parser.parse_args()
+
+    async def run() -> list[StreamResult]:
+        async with asyncio.timeout(args.seconds + args.tokens / args.rate + 30):
+            return await mixed_load(args.url, args.streams, args.tokens, args.rate)
+
+    results = asyncio.run(run())
+    report(results, args.tokens)
+
+
+def report(results: list[StreamResult], tokens: int) -> dict[str, float]:
+    latencies = [x for r in results for x in r.latencies_ms]
+    in_order = all(r.seqs == list(range(1, len(r.seqs) + 1)) for r in results)
+    complete = sum(r.tokens == tokens and r.end == "completed" for r in results)
+    summary = {
+        "streams": len(results),
+        "complete": complete,
+        "in_order": float(in_order),
+        "p50_ms": percentile(latencies, 0.5),
+        "p99_ms": percentile(latencies, 0.99),
+    }
+    print(
+        f"{complete}/{len(results)} streams complete, all in order: {in_order}, "
+        f"added latency p50 {summary['p50_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms"
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""A short run of the benchmark load generator (the benchmarks themselves are `python -m bench.run`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from app.main import create_app
+from bench.load import mixed_load, report
+from tests.servers import ROOT, free_port, serve, wait_for_port
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def fast_model():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.fastmodel", "--port", str(port)], cwd=ROOT
+    )
+    try:
+        wait_for_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_the_load_generator_runs_a_mixed_load(settings, fast_model):
+    app = create_app(
+        settings.replace(
+            llm={"base_url": fast_model + "/v1"}, limits={"max_concurrent_generations": 0}
+        )
+    )
+    with serve(app) as server:
+        results = await mixed_load(
+            server.url, streams=40, tokens=60, rate=20, stamps=True, ramp_seconds=1.0
+        )
+    summary = report(results, 60)
+    assert summary["complete"] == 40
+    assert summary["in_order"] == 1.0
+    assert all(r.answer and r.answer[0].startswith("t") for r in results)
+    assert 0 < summary["p50_ms"] < 1000
