@@ -77,24 +77,33 @@ class LLMClient:
         """
         client = self._require()
         splitter = ThinkSplitter()
-        received = False
+        received = done = False
         try:
             async with self._open_stream(client, messages, model) as response:
-                async for line in response.http_response.aiter_lines():
-                    if not line:
+                buffer = b""
+                async for data in response.http_response.aiter_bytes():
+                    buffer += data
+                    if b"\n" not in data:
                         continue
-                    if line[0] == ":":
-                        if "keep-alive" in line:
-                            yield KEEPALIVE
-                        continue
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    received = True
-                    if payload == "[DONE]":
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if not line or line == b"\r":
+                            continue
+                        if line[0] == 58:  # b":" a comment
+                            if b"keep-alive" in line:
+                                yield KEEPALIVE
+                            continue
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        received = True
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        for delta in _decode_chunk(payload, splitter):
+                            yield delta
+                    if done:
                         break
-                    for delta in _decode_chunk(payload, splitter):
-                        yield delta
         except openai.APIStatusError as exc:
             raise StreamError(_status_message(exc)) from exc
         except openai.APITimeoutError as exc:
@@ -209,7 +218,7 @@ class Embedder:
             await self._client.close()
 
 
-def _decode_chunk(payload: str, splitter: ThinkSplitter) -> list[Delta]:
+def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
     try:
         chunk = orjson.loads(payload)
         choices = chunk.get("choices")

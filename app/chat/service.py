@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,7 @@ from ..ids import Snowflake
 from ..llm import LLMClient, Message
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
-from ..protocol import ChatRequest, parse_event_id
+from ..protocol import ChatRequest, Event, parse_event_id
 from ..search.base import SearchResult
 from ..search.web import WebSearch, context_of, source_entries
 from ..store import Chat, Store, StoredMessage
@@ -118,8 +118,21 @@ class ChatService:
         (the generation is not affected).
         """
         await emitter.open(handle)
-        async for batch in self.hub.subscribe(handle, after_seq):
+        async for batch in self.follow(handle, after_seq):
             await emitter.emit(batch)
+
+    async def follow(self, handle: Handle, after_seq: int = 0) -> AsyncIterator[list[Event]]:
+        """The generation's events after `after_seq` in batches, live, until its end.
+
+        A client that fell behind gets what piled up in one batch, of at most
+        `stream.max_queue_events` events (one write each)."""
+        cap = max(1, self.settings.stream.max_queue_events)
+        async for batch in self.hub.subscribe(handle, after_seq):
+            if len(batch) <= cap:
+                yield batch
+            else:
+                for start in range(0, len(batch), cap):
+                    yield batch[start : start + cap]
 
     async def find_resumable(
         self, chat_id: str | None, user_id: str | None, last_event_id: str | None

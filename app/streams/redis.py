@@ -42,6 +42,7 @@ PREFIX = "sc:"
 CHANNEL = PREFIX + "cancel"
 LOG_CAP = 100_000  # entries (batches) per generation, approximate
 BLOCK_MS = 1000
+FLUSH_AT = 256  # pending events of one generation that trigger a flush before the interval
 
 
 class RedisUnavailable(AppError):
@@ -219,7 +220,7 @@ class RedisHub(MemoryHub):
     def _mark_dirty(self, log_: RedisGenerationLog, urgent: bool) -> None:
         self._dirty[log_.handle.answer_id] = log_
         self._wake.set()
-        if urgent:
+        if urgent or len(log_.pending) >= FLUSH_AT:
             self._urgent.set()
 
     async def _flusher(self) -> None:
@@ -337,26 +338,31 @@ class RedisHub(MemoryHub):
                     await pubsub.aclose()
 
     async def _heartbeat(self) -> None:
-        interval = min(self.handle_ttl_ms / 3000, 2.0)
+        """Keep this process's claims alive and pick up cancel flags, in one pipeline
+        of about one command per running generation."""
+        interval = min(self.handle_ttl_ms / 3000, 5.0)
         while True:
             await asyncio.sleep(interval)
             running = [entry[0] for entry in self._running.values()]
             if not running:
                 continue
+            expiry = int(time.time() * 1000) + self.handle_ttl_ms
+            by_user: dict[str, dict[str, int]] = {}
+            for handle in running:
+                by_user.setdefault(handle.user_id, {})[handle.answer_id] = expiry
             try:
-                expiry = int(time.time() * 1000) + self.handle_ttl_ms
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for handle in running:
                         pipe.pexpire(_run(handle.chat_id), self.handle_ttl_ms)
-                        pipe.zadd(_active(handle.user_id), {handle.answer_id: expiry})
-                        pipe.pexpire(_active(handle.user_id), self.handle_ttl_ms)
-                    for handle in running:
-                        pipe.exists(_cancel(handle.answer_id))
-                    results = await pipe.execute()
+                    for user_id, members in by_user.items():
+                        pipe.zadd(_active(user_id), members)
+                        pipe.pexpire(_active(user_id), self.handle_ttl_ms)
+                    pipe.mget([_cancel(handle.answer_id) for handle in running])
+                    flags = (await pipe.execute())[-1]
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat: redis unavailable: %s", exc)
                 continue
-            for handle, flagged in zip(running, results[3 * len(running) :], strict=True):
+            for handle, flagged in zip(running, flags, strict=True):
                 if flagged:
                     self._local_cancel(handle.answer_id)
 

@@ -9,8 +9,8 @@ refusal is an HTTP status with a JSON error body.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-import anyio
 import orjson
 from prometheus_client import Counter
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -36,33 +36,38 @@ def encode(event: Event, fmt: str) -> bytes:
 
 
 class SseEmitter(Emitter):
-    """Bridges the relay (push) to the streaming response (pull) through a bounded
-    channel of byte chunks; a whole batch of events is one chunk, one write."""
+    """Renders events as SSE bytes. Unlike a WebSocket, an SSE response pulls: its body
+    iterates `stream()`, which follows the generation's log and yields one chunk per
+    batch of events — no queue between the log and the socket, so a client that falls
+    behind gets everything that piled up in one write, and its buffer is the log."""
 
-    def __init__(self, fmt: str, max_chunks: int, sent: Counter | None = None) -> None:
+    def __init__(self, fmt: str, sent: Counter | None = None) -> None:
         super().__init__(fmt)
-        self._send, self._receive = anyio.create_memory_object_stream[bytes](max_chunks)
         self._sent = sent
+        self._chunks: list[bytes] = []
 
     async def open(self, handle: Handle) -> None:
         if self.format == "simple":
             start = render_simple_start(handle.chat_id, handle.answer_id, handle.question)
-            await self._send.send(b"data: %s\n\n" % orjson.dumps(start))
+            self._chunks.append(b"data: %s\n\n" % orjson.dumps(start))
 
     async def emit(self, events: Sequence[Event]) -> None:
         fmt = self.format
-        chunk = b"".join([encode(event, fmt) for event in events])
-        if chunk:
-            await self._send.send(chunk)
-            if self._sent is not None:
-                self._sent.inc(len(events))
+        self._chunks.append(b"".join([encode(event, fmt) for event in events]))
+        if self._sent is not None:
+            self._sent.inc(len(events))
 
-    def close(self) -> None:
-        self._send.close()
+    def take(self) -> bytes:
+        chunk = b"".join(self._chunks)
+        self._chunks.clear()
+        return chunk
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        async with self._receive:
-            async for chunk in self._receive:
+    async def stream(self, service: Any, handle: Handle, after_seq: int) -> AsyncIterator[bytes]:
+        await self.open(handle)
+        async for batch in service.follow(handle, after_seq):
+            await self.emit(batch)
+            chunk = self.take()
+            if chunk:
                 yield chunk
 
 
@@ -70,24 +75,23 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
     service = request.app.state.service
     settings = request.app.state.settings
     metrics = request.app.state.metrics
-    emitter = SseEmitter(fmt, settings.stream.max_queue_events, metrics.events_sent.labels("sse"))
+    emitter = SseEmitter(fmt, metrics.events_sent.labels("sse"))
     connections = metrics.connections_active.labels("sse")
 
-    async def pump() -> None:
+    async def body() -> AsyncIterator[bytes]:
         connections.inc()
         try:
-            await service.relay(handle, emitter, after_seq)
+            async for chunk in emitter.stream(service, handle, after_seq):
+                yield chunk
         finally:
             connections.dec()
-            emitter.close()
 
     return EventSourceResponse(
-        emitter.chunks(),
+        body(),
         headers={"Cache-Control": "no-cache"},
         ping=settings.server.keepalive_seconds,
         ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
         sep="\n",
-        data_sender_callable=pump,
         # a client that stops reading is let go; the generation goes on, resumable
         send_timeout=settings.stream.client_timeout_seconds,
     )
