@@ -111,7 +111,7 @@ class StreamSettings:
     replay_ttl_seconds: float = 300.0
     max_queue_events: int = 1024
     handle_ttl_seconds: float = 15.0
-    flush_interval_ms: float = 500.0
+    flush_interval_ms: float = 1000.0
     client_timeout_seconds: float = 30.0
 
 

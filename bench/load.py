@@ -47,6 +47,7 @@ class StreamResult:
     answer: list[str] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)
+    sent_ns: list[int] = field(default_factory=list)
     first_event_s: float = 0.0
     end: str = ""
     answer_id: str = ""
@@ -137,7 +138,9 @@ def _account(result: StreamResult, event: dict, now_ns: int, stamps: bool) -> No
         result.tokens += 1
         result.answer.append(event["data"])
         if stamps:
-            result.latencies_ms.append((now_ns - int(event["data"][1:-1])) / 1e6)
+            sent = int(event["data"][1:-1])
+            result.sent_ns.append(sent)
+            result.latencies_ms.append((now_ns - sent) / 1e6)
     elif kind in ("messageEnd", "error"):
         result.end = event.get("status", kind)
 

@@ -270,6 +270,7 @@ class Generation:
         self.handle = handle
         self.chat = chat
         self.new_chat = chat is None
+        self.needs_title = False
         self.out: RecordingEmitter
         self.task: asyncio.Task[None] | None = None
         self.cancel_requested = False
@@ -372,8 +373,8 @@ class Generation:
         svc, req, h = self.service, self.request, self.handle
         title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
         self.chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
-        if await svc.store.create_chat(self.chat):
-            svc.spawn(svc.make_title(h.chat_id, req.content))
+        # the small model names the chat once the answer is out, not while it starts
+        self.needs_title = await svc.store.create_chat(self.chat)
 
     async def _save_question(self, answer_status: str) -> None:
         """Save the question and the answer's row (once; also when cancelled early)."""
@@ -456,6 +457,8 @@ class Generation:
             terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
         await svc.hub.finish(h, terminal)
         self._record(status if error is None else "failed", error)
+        if self.needs_title:
+            svc.spawn(svc.make_title(h.chat_id, self.request.content))
 
     def _record(self, status: str, error: AppError | None) -> None:
         """One metrics update and one structured log line per generation."""

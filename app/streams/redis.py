@@ -157,8 +157,8 @@ class RedisHub(MemoryHub):
         try:
             if isinstance(log_, RedisGenerationLog):
                 log_.pending.append(terminal)
-                self._mark_dirty(log_, urgent=True)
-                await self._flush()
+                self._dirty[handle.answer_id] = log_
+                await self._flush(only=log_)
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.pexpire(_log(handle.answer_id), ttl)
                 pipe.pexpire(_gen(handle.answer_id), ttl)
@@ -239,14 +239,23 @@ class RedisHub(MemoryHub):
                 if self._dirty:
                     self._wake.set()  # try again: finished generations append nothing more
 
-    async def _flush(self) -> None:
-        """Write every pending event; serialised, so each log's entries stay in order."""
+    async def _flush(self, only: RedisGenerationLog | None = None) -> None:
+        """Write pending events — of every generation, or `only` one (a generation
+        that ends should not make all the others write early). Serialised, so each
+        log's entries stay in order."""
         async with self._flush_lock:
-            self._wake.clear()
-            self._urgent.clear()
-            if not self._dirty:
+            if only is not None:
+                dirty = (
+                    {only.handle.answer_id: only}
+                    if self._dirty.pop(only.handle.answer_id, None)
+                    else {}
+                )
+            else:
+                self._wake.clear()
+                self._urgent.clear()
+                dirty, self._dirty = self._dirty, {}
+            if not dirty:
                 return
-            dirty, self._dirty = self._dirty, {}
             batches = []
             async with self.redis.pipeline(transaction=False) as pipe:
                 for log_ in dirty.values():
