@@ -141,5 +141,8 @@ def create_app(
 
 def app_factory() -> Starlette:
     """For `uvicorn --factory app.main:app_factory` and each worker of `python -m app`."""
+    from .__main__ import tune_gc
+
     logs.configure()
+    tune_gc()
     return create_app(config.load())
