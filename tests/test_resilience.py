@@ -381,3 +381,31 @@ async def test_streams_continue_while_redis_restarts(settings, fake_model):
             assert replay.status_code == 200
             assert replay.text.count("data:") == len(events)
     redis.__exit__(None, None, None)
+
+
+async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_model):
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # a backlog that is full at once: further SYNs go unanswered
+    port = full.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue; connections that never get accepted
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        hanging = settings.replace(
+            llm={"base_url": f"http://127.0.0.1:{port}/v1", "connect_timeout_seconds": 0.5}
+        )
+        with serve(create_app(hanging)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("q"))
+                elapsed = time.monotonic() - started
+        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
+        assert elapsed < 5
+    finally:
+        for filler in fillers:
+            filler.close()
+        full.close()
