@@ -23,7 +23,7 @@ from ..errors import AppError
 from ..llm import LLMClient
 from ..prompts import Prompts, answer_lines
 from ..search.base import SearchResult
-from ..search.web import Progress, WebSearch
+from ..search.web import Progress, WebSearch, until_deadline
 
 log = logging.getLogger("app.research")
 
@@ -103,28 +103,13 @@ class DeepResearch:
         self, out: Progress, iteration: int, questions: list[str], deadline: float
     ) -> list[SearchResult]:
         """Every sub-question at once; what has not finished by the deadline is dropped."""
-        tasks = [
-            asyncio.create_task(
-                self.search.find_sources(
-                    _Prefixed(out, f"iteration {iteration}: "),
-                    q,
-                    "quality",
-                    self.settings.pages_per_question,
-                )
-            )
+        prefixed = _Prefixed(out, f"iteration {iteration}: ")
+        searches = [
+            self.search.find_sources(prefixed, q, "quality", self.settings.pages_per_question)
             for q in questions
         ]
-        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-        try:
-            done, _ = await asyncio.wait(tasks, timeout=remaining)
-        finally:
-            for task in tasks:
-                task.cancel()
-        results: list[SearchResult] = []
-        for task in tasks:  # in the order of the sub-questions
-            if task in done and not task.cancelled() and task.exception() is None:
-                results.extend(task.result())
-        return results
+        found = await until_deadline(searches, deadline)
+        return [result for results in found if results for result in results]
 
     async def _reflect(
         self, question: str, searched: list[str], found: list[SearchResult], deadline: float

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -31,6 +32,7 @@ from .searxng import SearxngSearch
 from .tavily import TavilySearch
 
 log = logging.getLogger("app.search")
+T = TypeVar("T")
 
 QUALITY_PICKS = 6
 SNIPPET_CHARS = 500
@@ -127,17 +129,13 @@ class WebSearch:
         fails or is too late keeps its snippet."""
         out.emit("progress", data=f"reading {count} page{'s' if count != 1 else ''}")
         timeout = self.settings.reader.timeout_seconds
-        tasks = [asyncio.create_task(self._read_one(r.url, timeout)) for r in results[:count]]
-        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-        try:
-            done, pending = await asyncio.wait(tasks, timeout=remaining)
-        finally:
-            for task in tasks:
-                task.cancel()
+        pages = await until_deadline(
+            [self._read_one(r.url, timeout) for r in results[:count]], deadline
+        )
         read = list(results)
-        for i, task in enumerate(tasks):
-            if task in done and not task.cancelled() and task.result():
-                read[i] = results[i].with_content(task.result())
+        for i, page in enumerate(pages):
+            if page:
+                read[i] = results[i].with_content(page)
         failed = count - sum(1 for r in read[:count] if r.content)
         if failed:
             out.emit(
@@ -153,6 +151,24 @@ class WebSearch:
         except (SearchError, TimeoutError) as exc:
             log.info("reading %s failed: %s", url, getattr(exc, "message", exc) or "timeout")
             return ""
+
+
+async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -> list[T | None]:
+    """Run the coroutines concurrently until the loop time `deadline`; the results in
+    order, None for each one that failed or had not finished (those are cancelled)."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+    finally:
+        for task in tasks:
+            task.cancel()
+    return [
+        task.result()
+        if task in done and not task.cancelled() and task.exception() is None
+        else None
+        for task in tasks
+    ]
 
 
 def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
