@@ -409,3 +409,32 @@ async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_mode
         for filler in fillers:
             filler.close()
         full.close()
+
+
+async def test_a_postgres_restart_mid_generation_loses_nothing(settings, fake_model):
+    from tests.conftest import PostgresServer, new_database
+
+    postgres = PostgresServer()
+    postgres.start()
+    try:
+        store_url = new_database(postgres.url)
+        with serve(create_app(settings.replace(store={"url": store_url}))) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+                async with http.stream(
+                    "POST",
+                    "/api/chat/sse",
+                    json=chat_body("long #tokens=60 #delay=0.02", chatId="995"),
+                ) as response:
+                    events = []
+                    async for item in iter_sse(response):
+                        if isinstance(item, SseEvent):
+                            events.append(item)
+                            if len(events) == 5:
+                                postgres.stop()  # the database restarts mid-answer ...
+                                postgres.start()
+                assert events[-1].data["status"] == "completed"  # ... and the answer is saved
+                answer = (await http.get("/api/chats/995")).json()["messages"][-1]
+                assert answer["status"] == "completed"
+                assert answer["content"] == "".join(f"tok{i} " for i in range(60))
+    finally:
+        postgres.remove()
