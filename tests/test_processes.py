@@ -243,6 +243,11 @@ async def test_killed_process_leaves_no_handle_and_resume_ends_cleanly(pair, fak
         assert "lost" in tail[-1].data["data"]
         cancel = await http.post(b.url + "/api/chat/cancel", json={"chatId": "905", "userId": "1"})
         assert cancel.status_code == 404
+        # what it had logged is saved as failed, not left "streaming"
+        answer = (await http.get(b.url + "/api/chats/905")).json()["messages"][-1]
+        assert answer["status"] == "failed"
+        logged = "".join(e.data["data"] for e in head[:3] + tail if e.type == "message")
+        assert answer["content"] == logged and logged.startswith("tok0 ")
         # the chat is free for a new question on the surviving process
         async with http.stream(
             "POST", b.url + "/api/chat/sse", json=chat_body("again", chatId="905")

@@ -68,6 +68,7 @@ class ChatService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
         self.accepting = True
+        hub.on_lost = self._close_lost
 
     # -- the public operations --------------------------------------------------
 
@@ -192,6 +193,17 @@ class ChatService:
         if public:
             return public.split("://", 1)[-1].rstrip("/")
         return request_host or "127.0.0.1"
+
+    async def _close_lost(self, handle: Handle, logged: list[Event]) -> None:
+        """Save what a generation whose process died had logged, as `failed` (once)."""
+        answer = await self.store.get_message(handle.answer_id)
+        if answer is None or answer.status != "streaming":
+            return
+        content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
+        reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
+        await self.store.finish_message(
+            handle.answer_id, content=content, reasoning=reasoning, status="failed"
+        )
 
     def running(self) -> int:
         return len(self._generations)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..protocol import Event
@@ -101,6 +101,9 @@ class StreamHub(abc.ABC):
     def __init__(self, *, replay_ttl: float, process: str) -> None:
         self.replay_ttl = replay_ttl
         self.process = process
+        #: called with a generation found lost (its process died) and the events it
+        #: had logged, so its owner's record can be closed; set by the chat service
+        self.on_lost: Callable[[Handle, list[Event]], Awaitable[None]] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional
         """Connect (and start listening for cancels)."""

@@ -302,6 +302,8 @@ class RedisHub(MemoryHub):
                 # one last read: the terminal entry may have landed just now
                 entries = _entries(await self.redis.xread({key: last_id}))
                 if not entries:
+                    if self.on_lost is not None:
+                        await self.on_lost(handle, await self._logged(handle))
                     yield [
                         Event(
                             "error",
@@ -324,6 +326,11 @@ class RedisHub(MemoryHub):
                 yield batch
                 if batch[-1].terminal:
                     return
+
+    async def _logged(self, handle: Handle) -> list[Event]:
+        """Every event of a generation that reached Redis."""
+        entries = await self.redis.xrange(_log(handle.answer_id))
+        return [event for _id, fields in entries for event in _load_events(fields[b"e"], handle)]
 
     async def _alive(self, handle: Handle) -> bool:
         raw = await self.redis.get(_run(handle.chat_id))
