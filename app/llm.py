@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +78,7 @@ class LLMClient:
         client = self._require()
         splitter = ThinkSplitter()
         received = done = False
-        try:
+        with model_errors("model"):
             async with self._open_stream(client, messages, model) as response:
                 buffer = b""
                 async for data in response.http_response.aiter_bytes():
@@ -104,18 +104,6 @@ class LLMClient:
                             yield delta
                     if done:
                         break
-        except openai.APIStatusError as exc:
-            raise StreamError(_status_message(exc)) from exc
-        except openai.APITimeoutError as exc:
-            raise ModelError(f"the model did not answer in time: {exc}") from exc
-        except openai.APIConnectionError as exc:
-            raise ModelError(f"cannot reach the model: {_cause(exc)}") from exc
-        except (openai.OpenAIError, OSError) as exc:
-            raise StreamError(f"the model stream broke: {exc}") from exc
-        except Exception as exc:
-            if _is_transport_error(exc):
-                raise StreamError(f"the model stream broke: {exc!r}") from exc
-            raise
         if not received:
             raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
@@ -151,7 +139,7 @@ class LLMClient:
     ) -> str:
         """One non-streaming completion (rewrite, title, ranking, suggestions)."""
         client = self._require()
-        try:
+        with model_errors("model"):
             async with asyncio.timeout(timeout):
                 response = await client.chat.completions.with_raw_response.create(
                     model=model or self.settings.effective_small_model,
@@ -159,14 +147,6 @@ class LLMClient:
                     **({"max_tokens": max_tokens} if max_tokens else {}),
                 )
                 body = orjson.loads(await response.http_response.aread())
-        except TimeoutError as exc:
-            raise ModelError("the model did not answer in time") from exc
-        except openai.APIStatusError as exc:
-            raise StreamError(_status_message(exc)) from exc
-        except openai.APIConnectionError as exc:
-            raise ModelError(f"cannot reach the model: {_cause(exc)}") from exc
-        except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
-            raise StreamError(f"the model answered badly: {exc}") from exc
         try:
             message = body["choices"][0]["message"]
             text = message.get("content") or ""
@@ -198,16 +178,10 @@ class Embedder:
         """One vector per text, in order. ConfigError / ModelError / StreamError."""
         if self._client is None:
             raise ConfigError("no embeddings model is configured (embeddings.model)")
-        try:
+        with model_errors("embeddings model"):
             response = await self._client.embeddings.create(
                 model=self.settings.model, input=list(texts)
             )
-        except openai.APIStatusError as exc:
-            raise StreamError(_status_message(exc)) from exc
-        except openai.APIConnectionError as exc:
-            raise ModelError(f"cannot reach the embeddings model: {_cause(exc)}") from exc
-        except openai.OpenAIError as exc:
-            raise StreamError(f"the embeddings model answered badly: {exc}") from exc
         vectors = sorted(response.data, key=lambda item: item.index)
         if len(vectors) != len(texts):
             raise StreamError("the embeddings model returned a different number of vectors")
@@ -241,6 +215,27 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
     if content:
         out.extend(splitter.feed(content))
     return out
+
+
+@contextlib.contextmanager
+def model_errors(what: str) -> Iterator[None]:
+    """Map what the SDK and its HTTP layer raise to our errors: `ModelError`
+    (CHAT_ERROR) when the model cannot be reached or does not answer in time,
+    `StreamError` (STREAM_ERROR) when it answers non-2xx or badly."""
+    try:
+        yield
+    except (TimeoutError, openai.APITimeoutError) as exc:
+        raise ModelError(f"the {what} did not answer in time") from exc
+    except openai.APIStatusError as exc:
+        raise StreamError(_status_message(exc)) from exc
+    except openai.APIConnectionError as exc:
+        raise ModelError(f"cannot reach the {what}: {_cause(exc)}") from exc
+    except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
+        raise StreamError(f"the {what} stream broke: {exc}") from exc
+    except Exception as exc:
+        if _is_transport_error(exc):
+            raise StreamError(f"the {what} stream broke: {exc!r}") from exc
+        raise
 
 
 def _status_message(exc: openai.APIStatusError) -> str:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -50,6 +50,15 @@ class RedisUnavailable(AppError):
 
     key = "INTERNAL"
     status = 503
+
+
+@contextlib.contextmanager
+def unavailable() -> Iterator[None]:
+    """Redis failing under an operation that needs it: `RedisUnavailable` (503)."""
+    try:
+        yield
+    except RedisError as exc:
+        raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
 
 
 class RedisGenerationLog(GenerationLog):
@@ -123,7 +132,7 @@ class RedisHub(MemoryHub):
         self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
     ) -> GenerationLog:
         payload = _dump_handle(handle)
-        try:
+        with unavailable():
             claimed = await self.redis.set(
                 _run(handle.chat_id), payload, nx=True, px=self.handle_ttl_ms
             )
@@ -146,8 +155,6 @@ class RedisHub(MemoryHub):
                     pipe.delete(_run(handle.chat_id), _gen(handle.answer_id))
                     await pipe.execute()
                 raise too_many(max_per_user)
-        except RedisError as exc:
-            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
         return self._open(handle, on_cancel)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
@@ -178,28 +185,22 @@ class RedisHub(MemoryHub):
             self._keep_for_replay(handle)
 
     async def lookup(self, chat_id: str) -> Handle | None:
-        try:
+        with unavailable():
             raw = await self.redis.get(_run(chat_id))
-        except RedisError as exc:
-            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
         return _load_handle(raw) if raw else None
 
     async def cancel(self, handle: Handle) -> None:
         if self._local_cancel(handle.answer_id):
             return
-        try:
+        with unavailable():
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(_cancel(handle.answer_id), b"1", px=max(self.handle_ttl_ms * 2, 60_000))
                 pipe.publish(CHANNEL, handle.answer_id)
                 await pipe.execute()
-        except RedisError as exc:
-            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
 
     async def latest(self, chat_id: str) -> Handle | None:
-        try:
+        with unavailable():
             answer_id = await self.redis.get(_latest(chat_id))
-        except RedisError as exc:
-            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
         if answer_id:
             return await self.find(answer_id.decode())
         # Redis lost it (restarted without persistence): this process may still hold it
@@ -209,10 +210,8 @@ class RedisHub(MemoryHub):
         local = self._local(answer_id)
         if local is not None:
             return local.handle
-        try:
+        with unavailable():
             raw = await self.redis.get(_gen(answer_id))
-        except RedisError as exc:
-            raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
         return _load_handle(raw) if raw else None
 
     # -- the event log ----------------------------------------------------------------
@@ -291,10 +290,8 @@ class RedisHub(MemoryHub):
         last_id: bytes | str = "0-0"
         seq = after_seq
         while True:
-            try:
+            with unavailable():
                 response = await self.redis.xread({key: last_id}, block=BLOCK_MS)
-            except RedisError as exc:
-                raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
             entries = _entries(response)
             if not entries:
                 if await self._alive(handle):
