@@ -1,0 +1,10 @@
+{"type":"signal","data":"open"}
+{"type":"message","data":"","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:1"}
+{"type":"reasoning","data":"why0 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:2"}
+{"type":"reasoning","data":"why1 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:3"}
+{"type":"message","data":"tok0 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:4"}
+{"type":"message","data":"tok1 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:5"}
+{"type":"message","data":"tok2 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:6"}
+{"type":"message","data":"tok3 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:7"}
+{"type":"message","data":"tok4 ","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:8"}
+{"type":"messageEnd","status":"completed","questionMessageId":"102","messageId":"ANSWER","chatId":"101","eventId":"ANSWER:9"}
