@@ -8,79 +8,66 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from .errors import BadRequest, Forbidden, NotFound
-from .protocol import FOCUS_MODES, OPTIMIZATION_MODES, parse_control, parse_id
-from .transport.http import client_identity, count_request, guard, read_json
+from .chat.service import ChatService
+from .errors import BadRequest, NotFound
+from .protocol import FOCUS_MODES, OPTIMIZATION_MODES, parse_control, parse_history, parse_id
+from .store import StoredMessage
+from .transport.http import client_identity, count_request, error_response, json_errors, read_json
 
 WEB_INDEX = Path(__file__).resolve().parent / "web" / "index.html"
 
 
-def _service(request: Request):  # type: ignore[no-untyped-def]
-    return request.app.state.service
+def _service(request: Request) -> ChatService:
+    service: ChatService = request.app.state.service
+    return service
 
 
-async def _owned_chat(request: Request):  # type: ignore[no-untyped-def]
-    chat_id = parse_id(request.path_params["chat_id"], "chatId")
-    chat = await _service(request).store.get_chat(chat_id)
-    if chat is None:
-        raise NotFound("no such chat")
-    user_id = client_identity(request, request.query_params.get("userId"))
-    if user_id is not None and chat.user_id != user_id:
-        raise Forbidden("this chat belongs to another user")
-    return chat
+def _user(request: Request) -> str | None:
+    return client_identity(request, request.query_params.get("userId"))
 
 
-@guard
+@json_errors
 async def list_chats(request: Request) -> Response:
-    user_id = client_identity(request, request.query_params.get("userId")) or "0"
-    chats = await _service(request).store.list_chats(user_id)
+    chats = await _service(request).list_chats(_user(request) or "0")
     return JSONResponse([chat.to_json() for chat in chats])
 
 
-@guard
+@json_errors
 async def get_chat(request: Request) -> Response:
-    chat = await _owned_chat(request)
-    messages = await _service(request).store.list_messages(chat.id)
+    chat_id = parse_id(request.path_params["chat_id"], "chatId")
+    chat, messages = await _service(request).open_chat(chat_id, _user(request))
     return JSONResponse({"chat": chat.to_json(), "messages": [m.to_json() for m in messages]})
 
 
-@guard
+@json_errors
 async def delete_chat(request: Request) -> Response:
-    chat = await _owned_chat(request)
-    service = _service(request)
-    if await service.hub.lookup(chat.id) is not None:
-        raise BadRequest("a generation is running for this chat: cancel it first")
-    await service.store.delete_chat(chat.id)
-    return JSONResponse({"id": chat.id, "deleted": True})
+    chat_id = parse_id(request.path_params["chat_id"], "chatId")
+    await _service(request).delete_chat(chat_id, _user(request))
+    return JSONResponse({"id": chat_id, "deleted": True})
 
 
-@guard
+@json_errors
 async def sources(request: Request) -> Response:
     message_id = parse_id(request.path_params["message_id"], "messageId")
-    store = _service(request).store
-    message = await store.get_message(message_id)
-    if message is None or message.role != "user":
-        raise NotFound("no such question")
-    user_id = client_identity(request, request.query_params.get("userId"))
-    if user_id is not None:
-        chat = await store.get_chat(message.chat_id)
-        if chat is None or chat.user_id != user_id:
-            raise Forbidden("these sources belong to another user")
+    message = await _service(request).question_sources(message_id, _user(request))
     if "text/html" in request.headers.get("accept", ""):
-        items = "\n".join(
-            '<li><a href="{url}" rel="noopener noreferrer">{title}</a><p>{text}</p></li>'.format(
-                url=html.escape(s.get("metadata", {}).get("url", ""), quote=True),
-                title=html.escape(s.get("metadata", {}).get("title", "") or "(untitled)"),
-                text=html.escape((s.get("pageContent") or "")[:500]),
-            )
-            for s in message.sources
-        )
-        page = (
-            "<!doctype html><meta charset=utf-8><title>Sources</title>"
-            f"<h1>Sources for “{html.escape(message.rewritten or message.content)}”</h1><ol>{items}</ol>"
-        )
-        return HTMLResponse(page)
+        return HTMLResponse(sources_page(message))
     return JSONResponse({"messageId": message.id, "sources": message.sources})
+
+
+def sources_page(message: StoredMessage) -> str:
+    items = "\n".join(
+        '<li><a href="{url}" rel="noopener noreferrer">{title}</a><p>{text}</p></li>'.format(
+            url=html.escape(s.get("metadata", {}).get("url", ""), quote=True),
+            title=html.escape(s.get("metadata", {}).get("title", "") or "(untitled)"),
+            text=html.escape((s.get("pageContent") or "")[:500]),
+        )
+        for s in message.sources
+    )
+    return (
+        "<!doctype html><meta charset=utf-8><title>Sources</title>"
+        f"<h1>Sources for “{html.escape(message.rewritten or message.content)}”</h1><ol>{items}</ol>"
+    )
 
 
 async def config(request: Request) -> Response:
@@ -100,39 +87,29 @@ async def config(request: Request) -> Response:
     )
 
 
-@guard
+@json_errors
 async def suggestions(request: Request) -> Response:
     settings = request.app.state.settings
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")
-    service = _service(request)
-    if body.get("history") is not None:
-        history = body["history"]
-        if not isinstance(history, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-            for p in history
-        ):
-            raise BadRequest("history must be a list of [role, text] pairs")
-        pairs = [("user" if role == "human" else "assistant", text) for role, text in history]
-    elif body.get("chatId") not in (None, ""):
-        chat_id = parse_id(body["chatId"], "chatId")
-        chat = await service.store.get_chat(chat_id)
-        if chat is None:
-            raise NotFound("no such chat")
-        user_id = client_identity(request, body.get("userId"))
-        if user_id is not None and chat.user_id != user_id:
-            raise Forbidden("this chat belongs to another user")
-        pairs = await service.stored_history(chat_id)
-    else:
-        raise BadRequest("send chatId or history")
-    if not pairs:
-        raise BadRequest("there is no conversation to suggest from")
+    history = parse_history(
+        body.get("history"),
+        settings.limits.max_history_messages,
+        settings.limits.max_content_chars,
+    )
+    chat_id = body.get("chatId")
+    user_id = client_identity(request, body.get("userId"))
     await count_request(request)
-    return JSONResponse({"suggestions": await service.suggestions(pairs)})
+    found = await _service(request).suggestions(
+        user_id,
+        chat_id=parse_id(chat_id, "chatId") if chat_id not in (None, "") else None,
+        history=history,
+    )
+    return JSONResponse({"suggestions": found})
 
 
-@guard
+@json_errors
 async def cancel(request: Request) -> Response:
     settings = request.app.state.settings
     body = await read_json(request, settings.limits.max_body_bytes)
@@ -146,10 +123,7 @@ async def cancel(request: Request) -> Response:
             control.chat_id, client_identity(request, control.user_id)
         )
     except NotFound as exc:
-        return JSONResponse(
-            {"type": "error", "key": exc.key, "data": exc.message, "cancelled": False},
-            status_code=404,
-        )
+        return error_response(exc, cancelled=False)
     return JSONResponse(
         {"chatId": handle.chat_id, "messageId": handle.answer_id, "cancelled": True}
     )
@@ -163,12 +137,7 @@ async def readyz(request: Request) -> Response:
     service = _service(request)
     if not service.accepting:
         return JSONResponse({"status": "draining"}, status_code=503)
-    failing = {}
-    for name, backend in (("store", service.store), ("redis", service.hub)):
-        try:
-            await backend.ping()
-        except Exception as exc:  # any failure means "not ready"; say which
-            failing[name] = f"{type(exc).__name__}: {exc}"
+    failing = await service.health()
     if failing:
         return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
     return JSONResponse({"status": "ready"})

@@ -2,8 +2,10 @@
 
 Every key `[section] key` is overridden by the environment variable
 `SECTION_KEY` (capitals); `PORT` overrides `server.port`, `WEB_CONCURRENCY`
-`server.workers`, and `APP_CONFIG` names another file. The result is one frozen `Settings` built once at start
-and passed down; no other module reads the environment.
+`server.workers`, and `APP_CONFIG` names another file. The result is one
+frozen `Settings` built once at start and passed down. Besides this module,
+only `python -m app` looks at the environment (for uvicorn's worker count and
+the metrics directory of several workers).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class Settings:
         return dataclasses.replace(self, **changed)
 
 
-class ConfigError(ValueError):
+class SettingsError(ValueError):
     """A configuration value that cannot be used (raised at start, not per request)."""
 
 
@@ -166,7 +168,7 @@ def load(
     """Build the settings from a TOML file and environment overrides.
 
     `path` defaults to `$APP_CONFIG`, else `config.toml` at the repository root;
-    a missing default file means "all defaults". Raises `ConfigError` for a
+    a missing default file means "all defaults". Raises `SettingsError` for a
     value of the wrong type or an unknown section/key in the file.
     """
     env = os.environ if env is None else env
@@ -177,17 +179,17 @@ def load(
         with file.open("rb") as fh:
             data = tomllib.load(fh)
     elif explicit:
-        raise ConfigError(f"config file not found: {file}")
+        raise SettingsError(f"config file not found: {file}")
 
     sections: dict[str, Any] = {}
     for name, cls in typing.get_type_hints(Settings).items():
         raw = data.get(name, {})
         if not isinstance(raw, dict):
-            raise ConfigError(f"[{name}] must be a table")
+            raise SettingsError(f"[{name}] must be a table")
         kinds = typing.get_type_hints(cls)
         unknown = set(raw) - set(kinds)
         if unknown:
-            raise ConfigError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
+            raise SettingsError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
         values: dict[str, Any] = {}
         for key, kind in kinds.items():
             env_name = f"{name}_{key}".upper()
@@ -234,7 +236,7 @@ def _coerce(value: Any, kind: Any, where: str) -> Any:
     else:
         if isinstance(value, dict) and all(isinstance(v, (str, int)) for v in value.values()):
             return types.MappingProxyType({str(k): str(v) for k, v in value.items()})
-    raise ConfigError(f"{where}: expected {kind}, got {value!r}")
+    raise SettingsError(f"{where}: expected {kind}, got {value!r}")
 
 
 def _from_env(text: str, kind: Any, name: str) -> Any:
@@ -266,4 +268,4 @@ def _from_env(text: str, kind: Any, name: str) -> Any:
             pairs[key] = value
         return types.MappingProxyType(pairs)
     except ValueError as exc:
-        raise ConfigError(f"{name}: cannot use {text!r} as {kind}") from exc
+        raise SettingsError(f"{name}: cannot use {text!r} as {kind}") from exc

@@ -2,6 +2,7 @@
 
     AppError                      (key INTERNAL, HTTP 500)
     ├── BadRequest                BAD_REQUEST, 400 (413 for an over-large body)
+    │   └── Conflict              BAD_REQUEST: the chat is busy, or an id is taken
     ├── Unauthorized              UNAUTHORIZED, 401
     ├── Forbidden                 FORBIDDEN, 403
     ├── NotFound                  NOT_FOUND, 404
@@ -9,7 +10,8 @@
     ├── ConfigError               CONFIG_ERROR: no model configured
     ├── ModelError                CHAT_ERROR: the model cannot be reached
     │   └── StreamError           STREAM_ERROR: non-2xx, broken or malformed stream
-    └── SearchError               SEARCH_ERROR: a search provider failed
+    ├── SearchError               SEARCH_ERROR: a search provider failed
+    └── Unavailable               INTERNAL, 503: the store or Redis cannot be reached
 
 Foreign errors (httpx, openai, drivers) are mapped at the boundary with
 `raise ... from exc`; nothing else reaches a client.
@@ -32,6 +34,10 @@ class AppError(Exception):
 class BadRequest(AppError):
     key = "BAD_REQUEST"
     status = 400
+
+
+class Conflict(BadRequest):
+    pass
 
 
 class Unauthorized(AppError):
@@ -74,3 +80,7 @@ class StreamError(ModelError):
 class SearchError(AppError):
     key = "SEARCH_ERROR"
     status = 502
+
+
+class Unavailable(AppError):
+    status = 503

@@ -12,7 +12,6 @@ import threading
 import time
 
 EPOCH_MS = 1_288_834_974_657  # the Twitter epoch, as the original used
-MAX_ID = 2**63 - 1
 
 
 class Snowflake:

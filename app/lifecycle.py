@@ -48,7 +48,7 @@ class GracefulShutdown:
             return
         self._loop = asyncio.get_running_loop()
         # streams end when their generations do; sse-starlette must not cut them first
-        AppStatus.disable_automatic_graceful_drain()
+        AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
         for sig in SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
@@ -56,7 +56,7 @@ class GracefulShutdown:
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, previous)  # type: ignore[arg-type]
+                signal.signal(sig, previous)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

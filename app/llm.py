@@ -144,7 +144,7 @@ class LLMClient:
                 response = await client.chat.completions.with_raw_response.create(
                     model=model or self.settings.effective_small_model,
                     messages=list(messages),  # type: ignore[arg-type]
-                    **({"max_tokens": max_tokens} if max_tokens else {}),
+                    max_tokens=max_tokens if max_tokens else openai.omit,
                 )
                 body = orjson.loads(await response.http_response.aread())
         try:

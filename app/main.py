@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
-import os
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -16,10 +16,10 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from . import api, config, logs
+from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
-from .guard import Auth, RateLimiter
 from .ids import Snowflake
 from .lifecycle import GracefulShutdown
 from .llm import Embedder, LLMClient
@@ -28,12 +28,65 @@ from .metrics import Metrics
 from .prompts import Prompts
 from .search.web import WebSearch
 from .store import Store, open_store
-from .streams import StreamHub, open_hub
+from .streams import open_hub, open_redis
 from .transport import sse, ws
 from .transport.http import AuthMiddleware
 
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
 log = logging.getLogger("app")
 WEB_DIR = Path(__file__).resolve().parent / "web"
+
+
+@contextlib.asynccontextmanager
+async def open_service(
+    settings: Settings,
+    *,
+    metrics: Metrics,
+    redis: aioredis.Redis | None = None,
+    llm: LLMClient | None = None,
+    store: Store | None = None,
+    prompts: Prompts | None = None,
+) -> AsyncIterator[ChatService]:
+    """The chat service with everything it uses opened, closed on exit (after a drain
+    of `server.shutdown_grace_seconds`). Parts not given are built from `settings`;
+    `redis` (from `open_redis`) is the caller's to close."""
+    async with contextlib.AsyncExitStack() as stack:
+        the_store = store or open_store(settings.store.url)
+        await stack.enter_async_context(the_store)
+        hub = open_hub(
+            redis,
+            replay_ttl=settings.stream.replay_ttl_seconds,
+            handle_ttl=settings.stream.handle_ttl_seconds,
+            flush_interval=settings.stream.flush_interval_ms / 1000,
+            max_generation_seconds=settings.llm.timeout_seconds,
+        )
+        await stack.enter_async_context(hub)
+        the_llm = llm or LLMClient(settings.llm)
+        stack.push_async_callback(the_llm.aclose)
+        the_prompts = prompts or Prompts()
+        embedder = Embedder(settings.embeddings)
+        stack.push_async_callback(embedder.aclose)
+        search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
+        stack.push_async_callback(search.aclose)
+        service = ChatService(
+            settings,
+            store=the_store,
+            hub=hub,
+            llm=the_llm,
+            prompts=the_prompts,
+            ids=Snowflake(),
+            search=search,
+            research=DeepResearch(
+                settings.research, search=search, llm=the_llm, prompts=the_prompts
+            ),
+            metrics=metrics,
+        )
+        try:
+            yield service
+        finally:
+            await service.aclose(settings.server.shutdown_grace_seconds)
 
 
 def create_app(
@@ -41,11 +94,9 @@ def create_app(
     *,
     llm: LLMClient | None = None,
     store: Store | None = None,
-    hub: StreamHub | None = None,
     prompts: Prompts | None = None,
 ) -> Starlette:
     """The ASGI app. Backends not given are built from `settings` and opened on start."""
-    process = f"{socket.gethostname()}:{os.getpid()}"
     metrics = Metrics()
     auth = Auth(settings.auth.api_keys)
     # a wildcard origin with credentials-bearing clients would let any site use a key
@@ -55,48 +106,21 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        the_store = store or open_store(settings.store.url)
-        the_hub = hub or open_hub(
-            settings.redis.url,
-            replay_ttl=settings.stream.replay_ttl_seconds,
-            process=process,
-            handle_ttl=settings.stream.handle_ttl_seconds,
-            flush_interval=settings.stream.flush_interval_ms / 1000,
-            max_generation_seconds=settings.llm.timeout_seconds,
-        )
-        the_llm = llm or LLMClient(settings.llm)
-        the_prompts = prompts or Prompts()
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(the_store)
-            await stack.enter_async_context(the_hub)
-            stack.push_async_callback(the_llm.aclose)
-            embedder = Embedder(settings.embeddings)
-            stack.push_async_callback(embedder.aclose)
-            search = WebSearch(
-                settings, llm=the_llm, embedder=embedder, prompts=the_prompts, store=the_store
-            )
-            stack.push_async_callback(search.aclose)
-            service = ChatService(
-                settings,
-                store=the_store,
-                hub=the_hub,
-                llm=the_llm,
-                prompts=the_prompts,
-                ids=Snowflake(),
-                search=search,
-                research=DeepResearch(
-                    settings.research, search=search, llm=the_llm, prompts=the_prompts
-                ),
-                metrics=metrics,
+            redis = open_redis(settings.redis.url)
+            if redis is not None:
+                stack.push_async_callback(redis.aclose)
+            service = await stack.enter_async_context(
+                open_service(
+                    settings, metrics=metrics, redis=redis, llm=llm, store=store, prompts=prompts
+                )
             )
             app.state.settings = settings
             app.state.service = service
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.auth = auth
-            app.state.limiter = RateLimiter(
-                settings.limits.requests_per_minute, getattr(the_hub, "redis", None)
-            )
+            app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
             shutdown = GracefulShutdown(
                 service, app.state.sessions, settings.server.shutdown_grace_seconds
             )
@@ -106,7 +130,6 @@ def create_app(
                 yield
             finally:
                 shutdown.uninstall()
-                await service.aclose(settings.server.shutdown_grace_seconds)
 
     routes = [
         Route("/api/chat/sse", sse.chat, methods=["POST"]),
@@ -139,10 +162,18 @@ def create_app(
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections: a streaming server makes many short-lived
+    objects per token, and the default thresholds run full collections often enough
+    to stall every stream for tens of milliseconds (measured: p99 token latency at
+    400 streams fell from ~90 ms to ~33 ms)."""
+    gc.collect()
+    gc.freeze()  # what start-up made lives for good; never scan it again
+    gc.set_threshold(100_000, 50, 100)
+
+
 def app_factory() -> Starlette:
     """For `uvicorn --factory app.main:app_factory` and each worker of `python -m app`."""
-    from .__main__ import tune_gc
-
     logs.configure()
     tune_gc()
     return create_app(config.load())

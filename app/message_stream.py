@@ -22,8 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .protocol import Event, render_default, render_simple, render_simple_start
-from .streams import GenerationLog, Handle
-from .transport.emitter import RecordingEmitter
+from .streams import GenerationLog, Handle, LogWriter
 
 
 class MessageStream:
@@ -34,10 +33,9 @@ class MessageStream:
             question_id="0",
             user_id="0",
             question=question,
-            process="local",
         )
         self.log = GenerationLog(self.handle)
-        self._out = RecordingEmitter(self.log)
+        self._out = LogWriter(self.log)
         self._start: dict[str, Any] | None = None
 
     def send_start(self, content: str | None = None) -> None:

@@ -77,6 +77,6 @@ class Metrics:
         """The exposition text (all workers' samples in multiprocess mode)."""
         if self.multiprocess:
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -8,22 +8,21 @@ Events are plain data; the only code that turns them into JSON is
 
 from __future__ import annotations
 
+import abc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import orjson
 
+from .chat.modes import MODES
 from .errors import AppError, BadRequest
 
-FOCUS_MODES = (
-    "webSearch",
-    "translator",
-    "deepSeek",
-    "mathAssistant",
-    "writingAssistant",
-    "deepResearch",
-)
+if TYPE_CHECKING:
+    from .streams import Handle
+
+FOCUS_MODES = tuple(MODES)
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
 MAX_ID = 2**63 - 1
@@ -156,7 +155,7 @@ def parse_chat_request(
         focus_mode=focus_mode,
         copilot_enabled=copilot,
         optimization_mode=optimization_mode,
-        history=_parse_history(body.get("history"), max_history_messages, max_content_chars),
+        history=parse_history(body.get("history"), max_history_messages, max_content_chars),
         files=tuple(files),
         format=fmt,
         host=host,
@@ -164,9 +163,10 @@ def parse_chat_request(
     )
 
 
-def _parse_history(
+def parse_history(
     value: Any, max_messages: int, max_chars: int
 ) -> tuple[tuple[str, str], ...] | None:
+    """`[[role, text], ...]` as (`user` | `assistant`, text) pairs; None when absent."""
     if value is None:
         return None
     if not isinstance(value, list):
@@ -307,6 +307,23 @@ def render(event: Event, fmt: str) -> dict[str, Any] | None:
     if fmt == "simple":
         return render_simple(event)
     return render_default(event)
+
+
+Chunk = TypeVar("Chunk")
+
+
+class Encoder(abc.ABC, Generic[Chunk]):
+    """One wire format, without I/O: what a connection writes before a generation's
+    events (`preamble`, once per subscription, a resume too) and for each batch of
+    them (`encode`). None means nothing to write. `name` labels metrics."""
+
+    name: str
+
+    def preamble(self, handle: Handle) -> Chunk | None:
+        return None
+
+    @abc.abstractmethod
+    def encode(self, events: Sequence[Event]) -> Chunk | None: ...
 
 
 def error_body(exc: AppError, **extra: Any) -> dict[str, Any]:

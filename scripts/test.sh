@@ -2,7 +2,8 @@
 # Sets up and runs the test suite on a new machine (Debian/Ubuntu, Python 3.11+):
 # a virtualenv with the package and its test extras, and what the tests start
 # on loopback (redis-server, PostgreSQL) or drive (Debian's Chromium, through
-# Playwright — never Playwright's own browser download), then ruff and pytest.
+# Playwright — never Playwright's own browser download), then ruff, mypy (strict,
+# on app/) and pytest.
 # Extra arguments go to pytest: scripts/test.sh -k cancel -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +26,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 .venv/bin/ruff check app tests bench
+.venv/bin/ruff format --check --quiet app tests bench
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

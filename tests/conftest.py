@@ -101,38 +101,48 @@ async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
+class RedisServer:
+    """A real redis-server on a loopback port (a free one by default); it can be
+    stopped and started again on the same port, empty (no persistence)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.fail("redis-server is not installed: run `bash scripts/test.sh`")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.dir = tempfile.mkdtemp(prefix="redistest-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [self.binary or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def start_redis(port: int | None = None) -> Iterator[str]:
     """A real redis-server on a loopback port (a free one by default), stopped on exit."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed: run `bash scripts/test.sh`, which installs it")
-    port = port or free_port()
-    workdir = tempfile.mkdtemp(prefix="redistest-")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(port)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with RedisServer(port) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")

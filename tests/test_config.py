@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import ConfigError, load
+from app.config import SettingsError, load
 
 
 def write(tmp_path, text):
@@ -59,7 +59,7 @@ def test_file_then_environment(tmp_path):
 def test_app_config_points_elsewhere(tmp_path):
     path = write(tmp_path, "[search]\nprovider = 'searxng'\n")
     assert load(env={"APP_CONFIG": str(path)}).search.provider == "searxng"
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(SettingsError, match="not found"):
         load(env={"APP_CONFIG": str(tmp_path / "missing.toml")})
 
 
@@ -73,12 +73,12 @@ def test_app_config_points_elsewhere(tmp_path):
     ],
 )
 def test_bad_file_values_fail_at_start(tmp_path, text):
-    with pytest.raises(ConfigError):
+    with pytest.raises(SettingsError):
         load(write(tmp_path, text), env={})
 
 
 def test_bad_environment_values_fail_at_start():
-    with pytest.raises(ConfigError, match="PORT"):
+    with pytest.raises(SettingsError, match="PORT"):
         load(env={"APP_CONFIG": "", "PORT": "eighty"})
-    with pytest.raises(ConfigError, match="AUTH_API_KEYS"):
+    with pytest.raises(SettingsError, match="AUTH_API_KEYS"):
         load(env={"APP_CONFIG": "", "AUTH_API_KEYS": "justakey"})

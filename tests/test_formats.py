@@ -8,7 +8,6 @@ import pytest
 from httpx_ws import aconnect_ws
 
 from app.message_stream import MessageStream
-from app.protocol import Event, render_simple
 from tests.client import SseEvent, chat_body, iter_sse
 from tests.fakes.search import RELEVANT_QUESTION
 
@@ -136,33 +135,38 @@ def test_message_stream_helper_speaks_the_simple_format():
     stream.send_answer("a vector database.")
     stream.send_complete()
     messages = stream.get_messages_as_dicts()
-    assert [m["type"] for m in messages] == [
-        "start",
-        "info",
-        "info",
-        "answer",
-        "answer",
-        "complete",
-    ]
-    assert messages[0]["content"] == "processing query: write a report on Milvus"
-    assert messages[1]["content"] == "iteration 1: searching related documents..."
-    assert (
-        "".join(m["content"] for m in messages if m["type"] == "answer")
-        == "Milvus is a vector database."
-    )
     for m in messages:
-        assert set(m) == {"type", "content", "timestamp", "metadata"}
-        assert m["metadata"]["chatId"] == "5" and m["metadata"]["messageId"] == "6"
-    # the same events, as the default format and the server's renderer see them
-    assert [e["type"] for e in stream.get_events_as_dicts()] == [
-        "progress",
-        "reasoning",
-        "message",
-        "message",
-        "messageEnd",
+        assert isinstance(m.pop("timestamp"), float)
+    meta = {"chatId": "5", "messageId": "6"}
+    assert messages == [
+        {
+            "type": "start",
+            "content": "processing query: write a report on Milvus",
+            "metadata": meta,
+        },
+        {
+            "type": "info",
+            "content": "iteration 1: searching related documents...",
+            "metadata": {**meta, "kind": "progress"},
+        },
+        {"type": "info", "content": "thinking", "metadata": {**meta, "kind": "reasoning"}},
+        {"type": "answer", "content": "Milvus is ", "metadata": meta},
+        {"type": "answer", "content": "a vector database.", "metadata": meta},
+        {
+            "type": "complete",
+            "content": "query completed",
+            "metadata": {**meta, "status": "completed"},
+        },
     ]
-    assert [render_simple(e) for e in stream.events] == messages[1:]
-    assert all(isinstance(e, Event) and e.seq == i for i, e in enumerate(stream.events, start=1))
+    # the same events, as the default format carries them
+    assert stream.get_events_as_dicts() == [
+        {"type": "progress", "data": "iteration 1: searching related documents...", **meta},
+        {"type": "reasoning", "data": "thinking", **meta},
+        {"type": "message", "data": "Milvus is ", **meta},
+        {"type": "message", "data": "a vector database.", **meta},
+        {"type": "messageEnd", "status": "completed", **meta},
+    ]
+    assert [e.seq for e in stream.events] == [1, 2, 3, 4, 5]
 
     failed = MessageStream()
     failed.send_error("query failed: cannot reach the database", key="SEARCH_ERROR")

@@ -7,13 +7,14 @@ would have; for memory it is the same hub (one process is all it serves).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
 
-from app.errors import BadRequest
+from app.errors import Conflict
 from app.protocol import Event
-from app.streams import Handle, StreamHub
+from app.streams import Handle, StreamHub, open_redis
 from app.streams.memory import MemoryHub
 from app.streams.redis import RedisHub
 
@@ -27,7 +28,6 @@ def handle(chat="1", answer="100", user="7") -> Handle:
         question_id="99",
         user_id=user,
         question="q?",
-        process="test",
     )
 
 
@@ -43,12 +43,20 @@ async def hubs(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StreamHub,
             yield hub, hub
         return
     url = request.getfixturevalue("redis_url")
-    options = {"replay_ttl": 5, "handle_ttl": 1.5, "flush_interval": 0.01}
-    async with (
-        RedisHub(url, process="A", **options) as a,
-        RedisHub(url, process="B", **options) as b,
-    ):
+    async with redis_hub(url, handle_ttl=1.5) as a, redis_hub(url, handle_ttl=1.5) as b:
         yield a, b
+
+
+@contextlib.asynccontextmanager
+async def redis_hub(url: str, **options: float) -> AsyncIterator[RedisHub]:
+    """A Redis hub on a client of its own, as another process would have."""
+    options = {"replay_ttl": 5, "flush_interval": 0.01, "max_generation_seconds": 60, **options}
+    client = open_redis(url)
+    try:
+        async with RedisHub(client, **options) as hub:
+            yield hub
+    finally:
+        await client.aclose()
 
 
 async def collect(hub: StreamHub, h: Handle, after: int = 0, timeout: float = 5) -> list[Event]:
@@ -64,7 +72,7 @@ async def test_register_claims_the_chat_until_finished(hubs):
     h = handle()
     await owner.register(h, lambda: None)
     assert await other.lookup("1") == h
-    with pytest.raises(BadRequest, match="already running"):
+    with pytest.raises(Conflict, match="already running"):
         await other.register(handle(answer="101"), lambda: None)
     await owner.finish(h, Event("messageEnd", "1", "100", {"status": "completed"}, 1))
     assert await other.lookup("1") is None
@@ -130,32 +138,27 @@ async def test_live_readers_get_every_event_once_in_order(hubs):
 
 
 async def test_redis_generation_lost_with_its_process_ends_with_an_error(redis_url):
-    options = {"replay_ttl": 5, "handle_ttl": 0.5, "flush_interval": 0.01}
-    dead = RedisHub(redis_url, process="dead", **options)
-    await dead.open()
     h = handle()
-    log = await dead.register(h, lambda: None)
-    for e in events(h, ["message", "message"]):
-        log.append(e)
-    await dead._flush()
-    for task in dead._tasks:  # the process dies: no heartbeat, no finish
-        task.cancel()
-    async with RedisHub(redis_url, process="B", **options) as other:
+    async with redis_hub(redis_url, handle_ttl=0.5) as dead:
+        log = await dead.register(h, lambda: None)
+        for e in events(h, ["message", "message"]):
+            log.append(e)
+    # the process is gone: its events were written, nobody refreshes its claim
+    async with redis_hub(redis_url, handle_ttl=0.5) as other:
         got = await collect(other, await other.find("100"), timeout=10)
         assert [e.seq for e in got] == [1, 2, 3]
         assert got[-1].type == "error"
         assert got[-1].data["key"] == "STREAM_ERROR" and "lost" in got[-1].data["data"]
         assert await other.lookup("1") is None
-    await dead.redis.aclose()
 
 
 async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
-    options = {"replay_ttl": 5, "handle_ttl": 0.6, "flush_interval": 0.01}
     async with (
-        RedisHub(redis_url, process="A", **options) as owner,
-        RedisHub(redis_url, process="B", **options) as other,
+        redis_hub(redis_url, handle_ttl=0.6) as owner,
+        redis_hub(redis_url, handle_ttl=0.6) as other,
     ):
-        owner._tasks[1].cancel()  # the owner's pub/sub listener is gone
+        await asyncio.sleep(0.1)  # the owner listens
+        await other.redis.client_kill_filter(_type="pubsub")  # and loses its subscription
         h = handle()
         cancelled = asyncio.Event()
         await owner.register(h, cancelled.set)
@@ -165,7 +168,7 @@ async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
 
 
 async def test_redis_batches_many_events_into_few_commands(redis_url):
-    async with RedisHub(redis_url, process="A", replay_ttl=5, flush_interval=0.05) as owner:
+    async with redis_hub(redis_url, flush_interval=0.05, handle_ttl=15) as owner:
         h = handle()
         log = await owner.register(h, lambda: None)
         for i in range(1, 1001):

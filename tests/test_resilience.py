@@ -19,8 +19,8 @@ from app.errors import BadRequest
 from app.main import create_app
 from app.protocol import loads, parse_chat_request
 from tests.client import SseEvent, chat_body, iter_sse, sse_chat
-from tests.conftest import start_redis
-from tests.servers import free_port, serve
+from tests.conftest import RedisServer
+from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
 
@@ -175,7 +175,7 @@ async def _state(app):
     service = app.state.service
     return {
         "generations": service.running(),
-        "claims": len(service.hub._running),
+        "claims": len(service.hub.local.running()),
         "tasks": len(asyncio.all_tasks()),
     }
 
@@ -312,50 +312,38 @@ async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_
 
 
 async def test_redis_down_refuses_new_work_clearly_then_recovers(settings, fake_model):
-    port = free_port()
-    with start_redis(port) as redis_url:
-        app = create_app(
-            settings.replace(redis={"url": redis_url}, stream={"flush_interval_ms": 10})
-        )
-        server = serve(app)
-        running = server.__enter__()
-    try:
+    redis = RedisServer()
+    app = create_app(settings.replace(redis={"url": redis.url}, stream={"flush_interval_ms": 10}))
+    with redis, serve(app) as running:
+        redis.stop()
         # redis is gone: a running stream was not there, but new ones are refused clearly
         async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
             refused = await http.post("/api/chat/sse", json=chat_body("q"))
             assert refused.status_code == 503 and "redis" in refused.json()["data"]
             cancel = await http.post("/api/chat/cancel", json={"chatId": "1"})
             assert cancel.status_code == 503
-        with start_redis(port):
-            async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
-                async with http.stream(
-                    "POST",
-                    "/api/chat/sse",
-                    json=chat_body("long #tokens=200 #delay=0.01", chatId="980"),
-                ) as response:
-                    stream = iter_sse(response)
-                    async for item in stream:
-                        if (
-                            isinstance(item, SseEvent)
-                            and item.type == "message"
-                            and item.data["data"]
-                        ):
-                            break
-                    assert (
-                        await http.post("/api/chat/cancel", json={"chatId": "980"})
-                    ).status_code == 200
-                    tail = [e async for e in stream if isinstance(e, SseEvent)]
-                assert tail[-1].data["status"] == "cancelled"
-    finally:
-        server.__exit__(None, None, None)
+        redis.start()
+        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+            async with http.stream(
+                "POST",
+                "/api/chat/sse",
+                json=chat_body("long #tokens=200 #delay=0.01", chatId="980"),
+            ) as response:
+                stream = iter_sse(response)
+                async for item in stream:
+                    if isinstance(item, SseEvent) and item.type == "message" and item.data["data"]:
+                        break
+                assert (
+                    await http.post("/api/chat/cancel", json={"chatId": "980"})
+                ).status_code == 200
+                tail = [e async for e in stream if isinstance(e, SseEvent)]
+            assert tail[-1].data["status"] == "cancelled"
 
 
 async def test_streams_continue_while_redis_restarts(settings, fake_model):
-    port = free_port()
-    redis = start_redis(port)
-    redis_url = redis.__enter__()
-    app = create_app(settings.replace(redis={"url": redis_url}, stream={"flush_interval_ms": 10}))
-    with serve(app) as server:
+    redis = RedisServer()
+    app = create_app(settings.replace(redis={"url": redis.url}, stream={"flush_interval_ms": 10}))
+    with redis, serve(app) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
             async with http.stream(
                 "POST",
@@ -367,10 +355,9 @@ async def test_streams_continue_while_redis_restarts(settings, fake_model):
                     if isinstance(item, SseEvent):
                         events.append(item)
                         if len(events) == 10:
-                            redis.__exit__(None, None, None)  # redis stops mid-answer
+                            redis.stop()  # redis stops mid-answer
                         if len(events) == 60:
-                            redis = start_redis(port)  # ... and comes back
-                            redis.__enter__()
+                            redis.start()  # ... and comes back
             assert events[-1].data["status"] == "completed"
             assert "".join(e.data["data"] for e in events if e.type == "message") == "".join(
                 f"tok{i} " for i in range(150)
@@ -380,7 +367,6 @@ async def test_streams_continue_while_redis_restarts(settings, fake_model):
             replay = await http.get("/api/chat/sse/resume", params={"chatId": "990"})
             assert replay.status_code == 200
             assert replay.text.count("data:") == len(events)
-    redis.__exit__(None, None, None)
 
 
 async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 
@@ -37,23 +39,16 @@ def searching(settings):
     """A server per provider/reader choice: `with searching(provider="google") as client:`."""
 
     def make(**sections):
-        return _Running(create_app(settings.replace(**sections)))
+        return _running(create_app(settings.replace(**sections)))
 
     return make
 
 
-class _Running:
-    def __init__(self, app):
-        self._serve = serve(app)
-
-    async def __aenter__(self):
-        self.server = self._serve.__enter__()
-        self.client = httpx.AsyncClient(base_url=self.server.url, timeout=20)
-        return self.client
-
-    async def __aexit__(self, *exc):
-        await self.client.aclose()
-        self._serve.__exit__(None, None, None)
+@contextlib.asynccontextmanager
+async def _running(app):
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            yield client
 
 
 @pytest.mark.parametrize("provider", ["tavily", "searxng", "google"])
@@ -259,6 +254,4 @@ async def test_cancel_during_search_stops_it(client, fake_model, fake_search):
 
 
 async def _tick():
-    import asyncio
-
     await asyncio.sleep(0.01)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
@@ -134,36 +135,34 @@ async def test_idle_server_stops_at_once(env):
 
 
 async def test_readyz_names_a_redis_that_is_down(settings, fake_model):
-    with start_redis() as redis_url:
-        server = serve(create_app(settings.replace(redis={"url": redis_url})))
-        running = server.__enter__()
-        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
-            assert (await http.get("/readyz")).status_code == 200
-    try:  # redis has stopped
+    with contextlib.ExitStack() as stack:
+        with start_redis() as redis_url:
+            running = stack.enter_context(
+                serve(create_app(settings.replace(redis={"url": redis_url})))
+            )
+            async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+                assert (await http.get("/readyz")).status_code == 200
+        # redis has stopped
         async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
             ready = await http.get("/readyz")
             assert ready.status_code == 503
             assert list(ready.json()["failing"]) == ["redis"]
             assert (await http.get("/healthz")).status_code == 200
-    finally:
-        server.__exit__(None, None, None)
 
 
 async def test_readyz_names_a_postgres_that_is_down(settings, fake_model):
-    with start_postgres() as pg:
-        app = create_app(settings.replace(store={"url": new_database(pg)}))
-        server = serve(app)
-        running = server.__enter__()
-        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
-            assert (await http.get("/readyz")).status_code == 200
-    try:
+    with contextlib.ExitStack() as stack:
+        with start_postgres() as pg:
+            app = create_app(settings.replace(store={"url": new_database(pg)}))
+            running = stack.enter_context(serve(app))
+            async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+                assert (await http.get("/readyz")).status_code == 200
+        # postgres has stopped
         async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
             ready = await http.get("/readyz")
             assert ready.status_code == 503
             assert list(ready.json()["failing"]) == ["store"]
             assert (await http.get("/healthz")).status_code == 200
-    finally:
-        server.__exit__(None, None, None)
 
 
 async def test_metrics_count_completed_and_cancelled_generations(client, fake_model):

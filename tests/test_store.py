@@ -52,7 +52,7 @@ async def test_chats_are_created_once_listed_newest_first_and_deleted(store):
     )
     await store.set_title("1", "New title")
     assert (await store.get_chat("1")).title == "New title"
-    await store.add_message(message("10", "1"))
+    await store.add_messages([message("10", "1")])
     assert await store.delete_chat("1")
     assert not await store.delete_chat("1")
     assert await store.get_chat("1") is None
@@ -65,10 +65,7 @@ async def test_messages_keep_order_status_reasoning_rewrite_and_sources(store):
     big = 2**63 - 1
     q = message(str(big), role="user", at=10.0, rewritten="standalone?")
     a = message("12", role="assistant", at=10.0, status="streaming", reply_to=str(big))
-    assert await store.add_message(a)
-    assert await store.add_message(q)
-    assert not await store.add_message(q)
-    await store.add_message(message("5", at=5.0))
+    await store.add_messages([a, q, message("5", at=5.0)])
     sources = [{"metadata": {"title": "T", "url": "https://x/ü"}, "pageContent": "snippet \u2603"}]
     await store.set_sources(str(big), sources)
     await store.finish_message("12", content="answer", reasoning="because", status="cancelled")
@@ -88,7 +85,7 @@ async def test_messages_keep_order_status_reasoning_rewrite_and_sources(store):
 
 async def test_several_messages_in_one_call(store):
     await store.create_chat(chat("1"))
-    await store.add_message(message("21", at=1.0, content="already there"))
+    await store.add_messages([message("21", at=1.0, content="already there")])
     await store.add_messages(
         [message("21", at=2.0, content="ignored"), message("22", at=3.0, role="assistant")]
     )

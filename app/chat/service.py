@@ -1,45 +1,42 @@
-"""The chat service: one request in, one generation's events out, whatever the transport.
+"""The chat service: every chat operation, whatever the transport.
 
 `start()` checks what can only be checked against state (ownership, a
-generation already running, the model configured), then runs the generation
-as its own task and returns its handle. `relay()` feeds one client's
-`Emitter` from the generation's log; `dispatch()` is the two in a row.
-A generation survives its clients: only `cancel()` (from any process) or the
-deadline stops it, and it always saves what it has and ends with exactly one
-terminal event (`messageEnd` or `error`).
+generation already running, the model configured), registers the chat, then
+runs the generation as its own task and returns its handle. `relay()` turns
+the generation's log into one client's chunks through an `Encoder` (SSE
+bytes, WebSocket frames, …): the service never knows which transport it
+feeds. A generation survives its clients: only `cancel()` (from any process)
+or the deadline stops it, and it always saves what it has and ends with
+exactly one terminal event (`messageEnd` or `error`).
+
+Every operation on a chat goes through `authorize(owner, user)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import Settings
-from ..errors import AppError, BadRequest, ConfigError, Forbidden, NotFound, StreamError
+from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound
 from ..ids import Snowflake
-from ..llm import LLMClient, Message
+from ..llm import LLMClient
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
-from ..protocol import ChatRequest, Event, parse_event_id
-from ..search.base import SearchResult
-from ..search.web import WebSearch, context_of, source_entries
+from ..protocol import ChatRequest, Encoder, Event, parse_event_id
+from ..search.web import WebSearch
 from ..store import Chat, Store, StoredMessage
-from ..streams import Handle, StreamHub
-from ..transport.emitter import Emitter, RecordingEmitter
-from .modes import MODES, PLAIN_PROMPT, FocusMode
+from ..streams import Handle, LogWriter, StreamHub
+from .generation import TITLE_MAX_CHARS, Generation
 from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
-generation_log = logging.getLogger("app.generation")
 
-REWRITE_MIN_CHARS = 30
-STORE_RETRY_DELAYS = (0.2, 0.5, 1.0, None)  # then give up and say so
+Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
 HISTORY_MESSAGES = 20
-TITLE_MAX_CHARS = 80
 
 
 class ChatService:
@@ -67,16 +64,11 @@ class ChatService:
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
+        self._runs: set[asyncio.Task[None]] = set()
         self.accepting = True
         hub.on_lost = self._close_lost
 
-    # -- the public operations --------------------------------------------------
-
-    async def dispatch(self, request: ChatRequest, emitter: Emitter) -> Handle:
-        """Start a generation for `request` and relay it to `emitter` until it ends."""
-        handle = await self.start(request)
-        await self.relay(handle, emitter)
-        return handle
+    # -- generations -------------------------------------------------------------
 
     async def start(self, request: ChatRequest) -> Handle:
         """Begin a generation; returns once it runs. Raises `AppError` (nothing started)."""
@@ -87,8 +79,8 @@ class ChatService:
         chat_id = request.chat_id or self.ids.next_str()
         question_id = request.message_id or self.ids.next_str()
         chat = await self.store.get_chat(chat_id) if request.chat_id else None
-        if chat is not None and chat.user_id != request.user_id:
-            raise Forbidden("this chat belongs to another user")
+        if chat is not None:
+            self.authorize(chat.user_id, request.user_id)
         if request.message_id and await self.store.get_message(question_id):
             raise BadRequest("message.messageId is already used")
         handle = Handle(
@@ -97,43 +89,40 @@ class ChatService:
             question_id=question_id,
             user_id=request.user_id,
             question=request.content,
-            process=self.hub.process,
         )
-        generation = Generation(self, request, handle, chat)
         log_ = await self.hub.register(
             handle,
-            generation.request_cancel,
+            functools.partial(self._cancel_here, handle.answer_id),
             max_per_user=self.settings.limits.max_concurrent_generations,
         )
-        generation.out = RecordingEmitter(log_)
-        task = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
-        generation.task = task
+        generation = Generation(self, request, handle, chat, LogWriter(log_))
         self._generations[handle.answer_id] = generation
-        task.add_done_callback(lambda _: self._generations.pop(handle.answer_id, None))
+        run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
+        self._runs.add(run)
+        run.add_done_callback(functools.partial(self._ended, handle.answer_id))
         return handle
 
-    async def relay(self, handle: Handle, emitter: Emitter, after_seq: int = 0) -> None:
-        """Feed `emitter` the generation's events after `after_seq`, until its end.
+    async def relay(
+        self, handle: Handle, encoder: Encoder[Chunk], after_seq: int = 0
+    ) -> AsyncIterator[Chunk]:
+        """The generation's events after `after_seq`, encoded, live, until its end.
 
-        Raises what the emitter raises when its client goes; cancelling is safe
-        (the generation is not affected).
+        A client that fell behind gets what piled up in one chunk of at most
+        `stream.max_queue_events` events. Closing the iterator (the client went)
+        is safe: the generation is not affected.
         """
-        await emitter.open(handle)
-        async for batch in self.follow(handle, after_seq):
-            await emitter.emit(batch)
-
-    async def follow(self, handle: Handle, after_seq: int = 0) -> AsyncIterator[list[Event]]:
-        """The generation's events after `after_seq` in batches, live, until its end.
-
-        A client that fell behind gets what piled up in one batch, of at most
-        `stream.max_queue_events` events (one write each)."""
+        sent = self.metrics.events_sent.labels(encoder.name)
+        first = encoder.preamble(handle)
+        if first is not None:
+            yield first
         cap = max(1, self.settings.stream.max_queue_events)
         async for batch in self.hub.subscribe(handle, after_seq):
-            if len(batch) <= cap:
-                yield batch
-            else:
-                for start in range(0, len(batch), cap):
-                    yield batch[start : start + cap]
+            for start in range(0, len(batch), cap):
+                part = batch[start : start + cap] if len(batch) > cap else batch
+                chunk = encoder.encode(part)
+                sent.inc(len(part))
+                if chunk is not None:
+                    yield chunk
 
     async def find_resumable(
         self, chat_id: str | None, user_id: str | None, last_event_id: str | None
@@ -152,8 +141,7 @@ class ChatService:
             raise NotFound(
                 "no generation to resume for this chat (finished and expired, or never started)"
             )
-        if user_id is not None and handle.user_id != user_id:
-            raise Forbidden("this chat belongs to another user")
+        self.authorize(handle.user_id, user_id)
         self.metrics.resumes.inc()
         return handle, seq
 
@@ -162,14 +150,83 @@ class ChatService:
         handle = await self.hub.lookup(chat_id)
         if handle is None:
             raise NotFound("nothing is being generated for this chat")
-        if user_id is not None and handle.user_id != user_id:
-            raise Forbidden("this chat belongs to another user")
+        self.authorize(handle.user_id, user_id)
         await self.hub.cancel(handle)
         self.metrics.cancels.inc()
         return handle
 
-    async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
-        """3 to 5 follow-up questions for a conversation (small model)."""
+    def _ended(self, answer_id: str, run: asyncio.Task[None]) -> None:
+        self._runs.discard(run)
+        self._generations.pop(answer_id, None)
+
+    def _cancel_here(self, answer_id: str) -> None:
+        """The hub's call when a cancel for a generation of this process arrives."""
+        generation = self._generations.get(answer_id)
+        if generation is not None:
+            generation.request_cancel()
+
+    # -- chats ------------------------------------------------------------------------
+
+    @staticmethod
+    def authorize(owner: str, user: str | None) -> None:
+        """The one ownership rule: only a chat's owner may act on it. Forbidden otherwise."""
+        if user is not None and owner != user:
+            raise Forbidden("this chat belongs to another user")
+
+    async def list_chats(self, user_id: str) -> list[Chat]:
+        """The user's chats, newest first."""
+        return await self.store.list_chats(user_id)
+
+    async def owned_chat(self, chat_id: str, user_id: str | None) -> Chat:
+        """A chat its user may act on. NotFound / Forbidden."""
+        chat = await self.store.get_chat(chat_id)
+        if chat is None:
+            raise NotFound("no such chat")
+        self.authorize(chat.user_id, user_id)
+        return chat
+
+    async def open_chat(
+        self, chat_id: str, user_id: str | None
+    ) -> tuple[Chat, list[StoredMessage]]:
+        """A chat and its messages in order."""
+        chat = await self.owned_chat(chat_id, user_id)
+        return chat, await self.store.list_messages(chat.id)
+
+    async def delete_chat(self, chat_id: str, user_id: str | None) -> None:
+        """Delete a chat and its messages; Conflict while it generates."""
+        chat = await self.owned_chat(chat_id, user_id)
+        if await self.hub.lookup(chat.id) is not None:
+            raise Conflict("a generation is running for this chat: cancel it first")
+        await self.store.delete_chat(chat.id)
+
+    async def question_sources(self, question_id: str, user_id: str | None) -> StoredMessage:
+        """A question with its saved sources. NotFound / Forbidden."""
+        message = await self.store.get_message(question_id)
+        if message is None or message.role != "user":
+            raise NotFound("no such question")
+        if user_id is not None:
+            chat = await self.store.get_chat(message.chat_id)
+            if chat is None:
+                raise NotFound("no such question")
+            self.authorize(chat.user_id, user_id)
+        return message
+
+    async def suggestions(
+        self,
+        user_id: str | None,
+        *,
+        chat_id: str | None = None,
+        history: Sequence[tuple[str, str]] | None = None,
+    ) -> list[str]:
+        """3 to 5 follow-up questions for a conversation (small model): the given
+        `history`, else the stored one of `chat_id`."""
+        if history is None:
+            if chat_id is None:
+                raise BadRequest("send chatId or history")
+            await self.owned_chat(chat_id, user_id)
+            history = await self.stored_history(chat_id)
+        if not history:
+            raise BadRequest("there is no conversation to suggest from")
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         prompt = self.prompts.render(
@@ -186,6 +243,16 @@ class ChatService:
             if m.content and (m.role == "user" or m.status in ("completed", "cancelled"))
         ]
         return pairs[-HISTORY_MESSAGES:]
+
+    async def health(self) -> dict[str, str]:
+        """The backends that do not answer, with why (empty when all do)."""
+        failing = {}
+        for name, backend in (("store", self.store), ("redis", self.hub)):
+            try:
+                await backend.ping()
+            except Exception as exc:  # any failure means "not ready"; say which
+                failing[name] = f"{type(exc).__name__}: {exc}"
+        return failing
 
     def public_host(self, request_host: str) -> str:
         """The host of links the server hands out: `server.public_url`, else the request's Host."""
@@ -213,14 +280,13 @@ class ChatService:
         then cancel the rest — each saves its partial answer as `cancelled` and
         ends its stream with `messageEnd` — and wait until all have ended."""
         self.accepting = False
-        running = [g.task for g in self._generations.values() if g.task is not None]
+        running = [g.work for g in self._generations.values()]
         if running and grace > 0:
             await asyncio.wait(running, timeout=grace)
         for generation in list(self._generations.values()):
             generation.request_cancel()
-        running = [g.task for g in self._generations.values() if g.task is not None]
-        if running:
-            await asyncio.wait(running, timeout=10)
+        if self._runs:
+            await asyncio.wait(list(self._runs), timeout=10)
 
     async def aclose(self, grace: float = 0.0) -> None:
         """Drain (see `drain`), then stop background chores."""
@@ -269,238 +335,6 @@ class ChatService:
         if not text or text.lower().strip(" .") == "not_needed" or text == question:
             return None
         return text
-
-
-class Generation:
-    """One answer being generated: runs as its own task, owned by the service."""
-
-    def __init__(
-        self, service: ChatService, request: ChatRequest, handle: Handle, chat: Chat | None
-    ) -> None:
-        self.service = service
-        self.request = request
-        self.handle = handle
-        self.chat = chat
-        self.new_chat = chat is None
-        self.needs_title = False
-        self.out: RecordingEmitter
-        self.task: asyncio.Task[None] | None = None
-        self.cancel_requested = False
-        self.started = False
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.answer_saved = False
-        self.rewritten: str | None = None
-        self.accepted_at = time.monotonic()
-        self.first_token_at = 0.0
-
-    def request_cancel(self) -> None:
-        """Called by the hub when a cancel arrives (even before the task started);
-        safe to call more than once."""
-        if self.cancel_requested:
-            return
-        self.cancel_requested = True
-        # a task cancelled before its first step would never run its cleanup:
-        # before then, the flag alone is enough (run() looks at it first)
-        if self.started and self.task is not None and not self.task.done():
-            self.task.cancel()
-
-    async def run(self) -> None:
-        status, error = "failed", None
-        external_cancel = False
-        self.started = True
-        self.service.metrics.generations_active.inc()
-        try:
-            if self.cancel_requested:  # cancelled before the task first ran
-                raise asyncio.CancelledError
-            async with asyncio.timeout(self.service.settings.llm.timeout_seconds):
-                await self._generate()
-            status = "completed"
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self.cancel_requested and task is not None:
-                if task.cancelling():
-                    task.uncancel()
-            else:
-                external_cancel = True  # shutdown: finish cleanly, then let it propagate
-            status = "cancelled"
-        except TimeoutError:
-            error = StreamError("the model did not finish within llm.timeout_seconds")
-        except AppError as exc:
-            error = exc
-        except Exception as exc:  # a bug: still end the stream and save
-            log.exception("generation %s failed", self.handle.answer_id)
-            error = AppError(f"internal error: {type(exc).__name__}")
-        try:
-            await asyncio.shield(self._finish(status, error))
-        finally:
-            self.service.metrics.generations_active.dec()
-        if external_cancel:
-            raise asyncio.CancelledError
-
-    async def _generate(self) -> None:
-        svc, req = self.service, self.request
-        await self._save_chat()
-        if req.history is not None:
-            history = list(req.history)
-        elif self.new_chat:
-            history = []  # nothing to read back
-        else:
-            history = await svc.stored_history(self.handle.chat_id)
-        if len(req.content) > REWRITE_MIN_CHARS or history:
-            self.rewritten = await svc.rewrite(req.content, history)
-            if self.rewritten:
-                self.out.emit("rewrited", content=self.rewritten)
-        await self._save_question("streaming")
-        rewritten = self.rewritten
-
-        mode = MODES[req.focus_mode]
-        system = await self._system_prompt(mode, rewritten or req.content)
-        messages: list[Message] = [{"role": "system", "content": system}]
-        messages.extend({"role": role, "content": text} for role, text in history)
-        messages.append({"role": "user", "content": req.content})
-
-        emit, content, reasoning = self.out.emit, self.content, self.reasoning
-        emit("message", data="")
-        requested = time.monotonic()
-        deltas = svc.llm.stream(messages)
-        async for delta in deltas:
-            if not self.first_token_at and delta.kind != "keepalive":
-                self.first_token_at = time.monotonic()
-                svc.metrics.upstream_latency.observe(self.first_token_at - requested)
-                svc.metrics.time_to_first_token.observe(self.first_token_at - self.accepted_at)
-            kind = delta.kind
-            if kind == "content":
-                content.append(delta.text)
-                emit("message", data=delta.text)
-            elif kind == "reasoning":
-                reasoning.append(delta.text)
-                emit("reasoning", data=delta.text)
-            else:
-                self.out.keepalive()
-
-    async def _save_chat(self) -> None:
-        if self.chat is not None:
-            return
-        svc, req, h = self.service, self.request, self.handle
-        title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
-        self.chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
-        # the small model names the chat once the answer is out, not while it starts
-        self.needs_title = await svc.store.create_chat(self.chat)
-
-    async def _save_question(self, answer_status: str) -> None:
-        """Save the question and the answer's row (once; also when cancelled early)."""
-        if self.answer_saved:
-            return
-        store, req, h = self.service.store, self.request, self.handle
-        now = time.time()
-        question = StoredMessage(
-            h.question_id, h.chat_id, "user", req.content, now, rewritten=self.rewritten
-        )
-        # after its question, whatever the ids (clients may pick them)
-        answer = StoredMessage(
-            h.answer_id,
-            h.chat_id,
-            "assistant",
-            "",
-            now + 0.000001,
-            status=answer_status,
-            reply_to=h.question_id,
-        )
-        await store.add_messages([question, answer])
-        self.answer_saved = True
-
-    async def _system_prompt(self, mode: FocusMode, question: str) -> str:
-        svc, req = self.service, self.request
-        date = datetime.now(UTC).isoformat(timespec="seconds")
-        if not mode.searches:
-            return svc.prompts.render(mode.prompt, date=date)
-        if (
-            not req.copilot_enabled and not mode.research
-        ):  # webSearch with copilot off: the model alone
-            return svc.prompts.render(PLAIN_PROMPT, date=date)
-        if mode.research:
-            results = await svc.research.find_sources(self.out, question)
-        else:
-            results = await svc.search.find_sources(self.out, question, req.optimization_mode)
-        if not results:
-            self.out.emit("progress", data="answering without sources")
-            return svc.prompts.render(PLAIN_PROMPT, date=date)
-        await self._send_sources(results)
-        return svc.prompts.render(mode.prompt, date=date, context=context_of(results))
-
-    async def _send_sources(self, results: list[SearchResult]) -> None:
-        """Save the sources on the question, then send them with the "All Sources" link."""
-        svc, h = self.service, self.handle
-        entries = source_entries(results)
-        await svc.store.set_sources(h.question_id, entries)
-        host = svc.public_host(self.request.host)
-        all_sources = {
-            "metadata": {"title": "All Sources", "url": f"//{host}/sources/{h.question_id}"}
-        }
-        self.out.emit("sources", data=[*entries, all_sources])
-
-    async def _finish(self, status: str, error: AppError | None) -> None:
-        svc, h = self.service, self.handle
-        final = status if error is None else "failed"
-        for delay in STORE_RETRY_DELAYS:
-            try:
-                await self._save_chat()
-                await self._save_question(final)
-                await svc.store.finish_message(
-                    h.answer_id,
-                    content="".join(self.content),
-                    reasoning="".join(self.reasoning),
-                    status=final,
-                )
-                break
-            except Exception as exc:  # any store failure: retry briefly, then report it
-                if delay is None:
-                    log.exception("saving answer %s failed", h.answer_id)
-                    if error is None:
-                        error = AppError("the answer could not be saved")
-                else:
-                    log.warning("saving answer %s failed (%r); retrying", h.answer_id, exc)
-                    await asyncio.sleep(delay)
-        if error is not None:
-            terminal = self.out.next("error", key=error.key, data=error.message)
-            svc.metrics.errors.labels(error.key).inc()
-        else:
-            terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
-        await svc.hub.finish(h, terminal)
-        self._record(status if error is None else "failed", error)
-        if self.needs_title:
-            svc.spawn(svc.make_title(h.chat_id, self.request.content))
-
-    def _record(self, status: str, error: AppError | None) -> None:
-        """One metrics update and one structured log line per generation."""
-        metrics, req, h = self.service.metrics, self.request, self.handle
-        duration = time.monotonic() - self.accepted_at
-        metrics.generations.labels(status).inc()
-        metrics.generation_duration.observe(duration)
-        generation_log.info(
-            "generation",
-            extra={
-                "fields": {
-                    "chatId": h.chat_id,
-                    "messageId": h.answer_id,
-                    "questionMessageId": h.question_id,
-                    "transport": req.transport,
-                    "focusMode": req.focus_mode,
-                    "optimizationMode": req.optimization_mode,
-                    "status": status,
-                    "errorKey": error.key if error else None,
-                    "durationMs": round(duration * 1000, 1),
-                    "firstTokenMs": round((self.first_token_at - self.accepted_at) * 1000, 1)
-                    if self.first_token_at
-                    else None,
-                    "answerChunks": len(self.content),
-                    "answerChars": sum(map(len, self.content)),
-                    "reasoningChunks": len(self.reasoning),
-                    "events": self.out.seq,
-                }
-            },
-        )
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:

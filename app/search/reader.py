@@ -106,7 +106,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
         allowed = [
             ip for ip in addresses if self.allow_private or address_allowed(ip, self.trusted)
         ]

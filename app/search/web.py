@@ -23,7 +23,6 @@ from ..config import Settings
 from ..errors import AppError, SearchError
 from ..llm import Embedder, LLMClient
 from ..prompts import Prompts
-from ..store import Store
 from .base import SearchProvider, SearchResult
 from .google import GoogleSearch
 from .rank import rank_by_embeddings, select_with_model
@@ -64,7 +63,6 @@ class WebSearch:
         llm: LLMClient,
         embedder: Embedder,
         prompts: Prompts,
-        store: Store,
         provider: SearchProvider | None = None,
         reader: Reader | None = None,
     ) -> None:
@@ -77,7 +75,6 @@ class WebSearch:
         self.llm = llm
         self.embedder = embedder
         self.prompts = prompts
-        self.store = store
 
     async def aclose(self) -> None:
         await self.reader.aclose()

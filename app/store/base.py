@@ -113,8 +113,8 @@ def iso(ts: float) -> str:
 
 
 class Store(abc.ABC):
-    """Chats and messages. Methods raise `StoreError` subclasses of OSError only for
-    an unreachable backend; missing rows are `None`/`False`, never exceptions."""
+    """Chats and messages. Missing rows are `None`/`False`, never exceptions; a
+    backend that cannot be reached raises its driver's error (OSError and the like)."""
 
     async def open(self) -> None:  # noqa: B027 - optional for backends without setup
         """Connect and create or upgrade the schema."""
@@ -143,10 +143,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def delete_chat(self, chat_id: str) -> bool:
         """Delete a chat and its messages; False when there was none."""
-
-    @abc.abstractmethod
-    async def add_message(self, message: StoredMessage) -> bool:
-        """Insert a message; False when the id exists already."""
 
     @abc.abstractmethod
     async def add_messages(self, messages: list[StoredMessage]) -> None:

@@ -93,7 +93,7 @@ class PostgresStore(Store):
             chat.focus_mode,
             chat.created_at,
         )
-        return status.endswith(" 1")
+        return _one_row(status)
 
     async def get_chat(self, chat_id: str) -> Chat | None:
         row = await self.pool.fetchrow(
@@ -117,11 +117,7 @@ class PostgresStore(Store):
     async def delete_chat(self, chat_id: str) -> bool:
         # messages go with it (ON DELETE CASCADE)
         status = await self.pool.execute("DELETE FROM chats WHERE id = $1", int(chat_id))
-        return status.endswith(" 1")
-
-    async def add_message(self, message: StoredMessage) -> bool:
-        status = await self.pool.execute(_INSERT_MESSAGE, *message_params(message, message.sources))
-        return status.endswith(" 1")
+        return _one_row(status)
 
     async def add_messages(self, messages: list[StoredMessage]) -> None:
         await self.pool.executemany(
@@ -172,7 +168,9 @@ async def migrate(pool: asyncpg.Pool) -> int:
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
             " version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
         )
-        applied = await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_migrations")
+        applied: int = await conn.fetchval(
+            "SELECT coalesce(max(version), 0) FROM schema_migrations"
+        )
         for version in range(applied + 1, len(MIGRATIONS) + 1):
             await conn.execute(MIGRATIONS[version - 1])
             await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
@@ -194,3 +192,8 @@ def _chat(row: Any) -> Chat:
 
 def _message(row: Any) -> StoredMessage:
     return message_from_row(row, row[6])
+
+
+def _one_row(status: str) -> bool:
+    """Whether a command tag (`INSERT 0 1`, `DELETE 1`) says one row."""
+    return status.endswith(" 1")

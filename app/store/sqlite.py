@@ -157,10 +157,6 @@ class SQLiteStore(Store):
                 raise
         return count == 1
 
-    async def add_message(self, message: StoredMessage) -> bool:
-        count = await self._write(_INSERT_MESSAGE, _params(message))
-        return count == 1
-
     async def add_messages(self, messages: list[StoredMessage]) -> None:
         async with self._write_lock:
             await self.db.executemany(_INSERT_MESSAGE, [_params(m) for m in messages])

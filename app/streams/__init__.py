@@ -2,25 +2,58 @@
 
 from __future__ import annotations
 
-from .base import GenerationLog, Handle, StreamHub
+from typing import TYPE_CHECKING
+
+from .base import GenerationLog, Handle, LocalRegistry, LogWriter, StreamHub
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 
-def open_hub(url: str, *, replay_ttl: float, process: str, **redis_options: float) -> StreamHub:
-    """`memory://` (or empty) for one process, `redis://…` / `rediss://…` for many.
-
-    `redis_options` (handle_ttl, flush_interval, max_generation_seconds) tune
-    the Redis hub. Raises ValueError for another scheme.
-    """
+def open_redis(url: str) -> aioredis.Redis | None:
+    """A Redis client for `redis://`, `rediss://` or `unix://` URLs; None for an empty
+    URL or `memory://` (one process). Raises ValueError for another scheme. The
+    caller closes it."""
     scheme = url.partition(":")[0].lower() if url else "memory"
     if scheme == "memory":
-        from .memory import MemoryHub
-
-        return MemoryHub(replay_ttl=replay_ttl, process=process)
+        return None
     if scheme in ("redis", "rediss", "unix"):
-        from .redis import RedisHub
+        import redis.asyncio as aioredis
 
-        return RedisHub(url, replay_ttl=replay_ttl, process=process, **redis_options)
+        return aioredis.from_url(url, protocol=2)
     raise ValueError(f"unsupported redis URL {url!r}: use redis:// or leave it empty")
 
 
-__all__ = ["GenerationLog", "Handle", "StreamHub", "open_hub"]
+def open_hub(
+    redis: aioredis.Redis | None,
+    *,
+    replay_ttl: float,
+    handle_ttl: float,
+    flush_interval: float,
+    max_generation_seconds: float,
+) -> StreamHub:
+    """The Redis hub on `redis` (from `open_redis`), else the one-process memory hub."""
+    if redis is None:
+        from .memory import MemoryHub
+
+        return MemoryHub(replay_ttl=replay_ttl)
+    from .redis import RedisHub
+
+    return RedisHub(
+        redis,
+        replay_ttl=replay_ttl,
+        handle_ttl=handle_ttl,
+        flush_interval=flush_interval,
+        max_generation_seconds=max_generation_seconds,
+    )
+
+
+__all__ = [
+    "GenerationLog",
+    "Handle",
+    "LocalRegistry",
+    "LogWriter",
+    "StreamHub",
+    "open_hub",
+    "open_redis",
+]

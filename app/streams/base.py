@@ -5,19 +5,22 @@ delivers cancels to the process that owns it, and keeps each generation's
 numbered events so that any client (on any process, for `redis://`) can
 replay them from a sequence number and follow them live.
 
-Writing is synchronous and never blocks: a generation appends to its log and
-goes on; readers catch up at their own pace. Implementations: `memory://`
-(one process) and `redis://` (many processes).
+A generation writes through a `LogWriter`, which numbers its events and
+appends them to its `GenerationLog`. Writing is synchronous and never
+blocks: the generation goes on and readers catch up at their own pace.
+Backends (`memory://`, `redis://`) are siblings: both keep this process's
+part in a `LocalRegistry`; the Redis one also shares it with other processes.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
+from ..errors import Conflict, RateLimited
 from ..protocol import Event
 
 
@@ -30,8 +33,10 @@ class Handle:
     question_id: str
     user_id: str
     question: str
-    process: str
-    started_at: float = field(default_factory=time.time)
+
+
+#: called with each numbered event a log receives (the Redis backend queues it)
+Sink = Callable[["GenerationLog", Event], None]
 
 
 class GenerationLog:
@@ -41,25 +46,25 @@ class GenerationLog:
     that live readers turn into a keep-alive event.
     """
 
-    __slots__ = ("handle", "events", "keepalives", "finished", "_changed")
+    __slots__ = ("handle", "events", "keepalives", "finished", "_changed", "_sink")
 
-    def __init__(self, handle: Handle) -> None:
+    def __init__(self, handle: Handle, sink: Sink | None = None) -> None:
         self.handle = handle
         self.events: list[Event] = []
         self.keepalives = 0
         self.finished = False
         self._changed: asyncio.Event | None = None
+        self._sink = sink
 
     def append(self, event: Event) -> None:
         if event.seq:
             self.events.append(event)
             if event.terminal:
                 self.finished = True
+            if self._sink is not None:
+                self._sink(self, event)
         else:
             self.keepalives += 1
-        self._wake()
-
-    def _wake(self) -> None:
         changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()
@@ -95,25 +100,124 @@ class GenerationLog:
             await self.wait()
 
 
+class LogWriter:
+    """What a generation writes through: numbers its events and appends them to its
+    log. Never blocks."""
+
+    __slots__ = ("log", "chat_id", "message_id", "seq")
+
+    def __init__(self, log: GenerationLog) -> None:
+        self.log = log
+        self.chat_id = log.handle.chat_id
+        self.message_id = log.handle.answer_id
+        self.seq = 0
+
+    def emit(self, type: str, **data: Any) -> Event:
+        event = self.next(type, **data)
+        self.log.append(event)
+        return event
+
+    def next(self, type: str, **data: Any) -> Event:
+        """The next numbered event, not yet appended (the terminal one goes through
+        `StreamHub.finish`)."""
+        self.seq += 1
+        return Event(type, self.chat_id, self.message_id, data, self.seq)
+
+    def keepalive(self) -> None:
+        self.log.append(Event("keep-alive", self.chat_id, self.message_id))
+
+
+class LocalRegistry:
+    """This process's part of a hub: the generations it runs (with their cancel
+    callbacks) and the logs it keeps, each for `replay_ttl` seconds after its end."""
+
+    def __init__(self, replay_ttl: float) -> None:
+        self.replay_ttl = replay_ttl
+        self._running: dict[str, tuple[Handle, Callable[[], None]]] = {}
+        self._logs: dict[str, GenerationLog] = {}
+        self._latest: dict[str, str] = {}
+        self._expiry: dict[str, asyncio.TimerHandle] = {}
+
+    def check_free(self, handle: Handle, max_per_user: int) -> None:
+        """Conflict when the chat runs a generation here; RateLimited past the cap."""
+        if handle.chat_id in self._running:
+            raise already_running()
+        if max_per_user and self.count_user(handle.user_id) >= max_per_user:
+            raise too_many(max_per_user)
+
+    def count_user(self, user_id: str) -> int:
+        return sum(1 for h, _ in self._running.values() if h.user_id == user_id)
+
+    def add(self, log: GenerationLog, on_cancel: Callable[[], None]) -> None:
+        handle = log.handle
+        self._running[handle.chat_id] = (handle, on_cancel)
+        self._logs[handle.answer_id] = log
+        self._latest[handle.chat_id] = handle.answer_id
+
+    def release(self, handle: Handle) -> None:
+        """The chat is free again; its log stays for `replay_ttl`."""
+        entry = self._running.get(handle.chat_id)
+        if entry is not None and entry[0].answer_id == handle.answer_id:
+            del self._running[handle.chat_id]
+        if handle.answer_id in self._logs and handle.answer_id not in self._expiry:
+            loop = asyncio.get_running_loop()
+            self._expiry[handle.answer_id] = loop.call_later(self.replay_ttl, self._expire, handle)
+
+    def _expire(self, handle: Handle) -> None:
+        self._expiry.pop(handle.answer_id, None)
+        self._logs.pop(handle.answer_id, None)
+        if self._latest.get(handle.chat_id) == handle.answer_id:
+            del self._latest[handle.chat_id]
+
+    def cancel(self, answer_id: str) -> bool:
+        """Cancel a generation of this process; False when it does not run here."""
+        log = self._logs.get(answer_id)
+        entry = self._running.get(log.handle.chat_id) if log else None
+        if entry is None or entry[0].answer_id != answer_id:
+            return False
+        entry[1]()
+        return True
+
+    def running(self) -> list[Handle]:
+        return [handle for handle, _ in self._running.values()]
+
+    def lookup(self, chat_id: str) -> Handle | None:
+        entry = self._running.get(chat_id)
+        return entry[0] if entry else None
+
+    def log(self, answer_id: str) -> GenerationLog | None:
+        return self._logs.get(answer_id)
+
+    def latest(self, chat_id: str) -> Handle | None:
+        answer_id = self._latest.get(chat_id)
+        log = self._logs.get(answer_id) if answer_id else None
+        return log.handle if log else None
+
+    def close(self) -> None:
+        for timer in self._expiry.values():
+            timer.cancel()
+        self._expiry.clear()
+
+
 class StreamHub(abc.ABC):
     """Registry of running generations plus their event logs."""
 
-    def __init__(self, *, replay_ttl: float, process: str) -> None:
-        self.replay_ttl = replay_ttl
-        self.process = process
-        #: called with a generation found lost (its process died) and the events it
-        #: had logged, so its owner's record can be closed; set by the chat service
-        self.on_lost: Callable[[Handle, list[Event]], Awaitable[None]] | None = None
+    #: this process's part: the generations it runs and the logs it keeps
+    local: LocalRegistry
+
+    #: called with a generation found lost (its process died) and the events it
+    #: had logged, so its owner's record can be closed; set by the chat service
+    on_lost: Callable[[Handle, list[Event]], Awaitable[None]] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional
-        """Connect (and start listening for cancels)."""
+        """Start background work (listening for cancels)."""
 
     async def close(self) -> None:  # noqa: B027
-        """Stop listening and release connections."""
+        """Stop background work. The hub does not own its connections."""
 
     @abc.abstractmethod
     async def ping(self) -> None:
-        """Raise OSError if the backend cannot answer."""
+        """Raise if the backend cannot answer."""
 
     @abc.abstractmethod
     async def register(
@@ -121,7 +225,7 @@ class StreamHub(abc.ABC):
     ) -> GenerationLog:
         """Claim `handle.chat_id` for a new generation and open its log.
 
-        Raises `BadRequest` when a generation is already running for that chat,
+        Raises `Conflict` when a generation is already running for that chat,
         `RateLimited` when the user already runs `max_per_user` (0: no cap).
         `on_cancel` is called (in this process, on the event loop) when a
         cancel for the chat arrives from any process.
@@ -162,3 +266,13 @@ class StreamHub(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def already_running() -> Conflict:
+    return Conflict("a generation is already running for this chat")
+
+
+def too_many(cap: int) -> RateLimited:
+    return RateLimited(
+        f"you already have {cap} answers being generated; wait for one to end", retry_after=5
+    )

@@ -31,10 +31,9 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..errors import AppError, BadRequest
+from ..errors import Unavailable
 from ..protocol import Event
-from .base import GenerationLog, Handle
-from .memory import MemoryHub, too_many
+from .base import GenerationLog, Handle, LocalRegistry, StreamHub, already_running, too_many
 
 log = logging.getLogger("app.streams")
 
@@ -45,56 +44,39 @@ BLOCK_MS = 1000
 FLUSH_AT = 256  # pending events of one generation that trigger a flush before the interval
 
 
-class RedisUnavailable(AppError):
-    """Redis could not be reached for an operation that needs it."""
-
-    key = "INTERNAL"
-    status = 503
-
-
 @contextlib.contextmanager
 def unavailable() -> Iterator[None]:
-    """Redis failing under an operation that needs it: `RedisUnavailable` (503)."""
+    """Redis failing under an operation that needs it: `Unavailable` (503)."""
     try:
         yield
-    except RedisError as exc:
-        raise RedisUnavailable(f"redis is unavailable: {exc}") from exc
+    except (RedisError, OSError) as exc:
+        log.warning("redis is unavailable: %s", exc)
+        raise Unavailable("the stream registry (redis) is unavailable; try again") from exc
 
 
-class RedisGenerationLog(GenerationLog):
-    __slots__ = ("hub", "pending", "flushed_once")
+class RedisHub(StreamHub):
+    """Shares the registry and the logs through Redis; this process's own part lives
+    in a `LocalRegistry`, so local readers never wait on Redis. The Redis client is
+    the caller's (opened and closed with the app)."""
 
-    def __init__(self, handle: Handle, hub: RedisHub) -> None:
-        super().__init__(handle)
-        self.hub = hub
-        self.pending: list[Event] = []
-        self.flushed_once = False
-
-    def append(self, event: Event) -> None:
-        super().append(event)
-        if event.seq:
-            self.pending.append(event)
-            self.hub._mark_dirty(self, urgent=event.terminal)
-
-
-class RedisHub(MemoryHub):
     def __init__(
         self,
-        url: str,
+        redis: aioredis.Redis,
         *,
         replay_ttl: float,
-        process: str,
-        handle_ttl: float = 15.0,
-        flush_interval: float = 0.05,
-        max_generation_seconds: float = 600.0,
+        handle_ttl: float,
+        flush_interval: float,
+        max_generation_seconds: float,
     ) -> None:
-        super().__init__(replay_ttl=replay_ttl, process=process)
-        self.url = url
+        self.redis = redis
+        self.local = LocalRegistry(replay_ttl)
+        self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
         self.flush_interval = flush_interval
         self.max_generation_ms = int(max_generation_seconds * 1000)
-        self.redis: aioredis.Redis = aioredis.from_url(url, protocol=2)
-        self._dirty: dict[str, RedisGenerationLog] = {}
+        self._pending: dict[str, list[Event]] = {}
+        self._dirty: dict[str, GenerationLog] = {}
+        self._flushed: set[str] = set()
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -111,22 +93,18 @@ class RedisHub(MemoryHub):
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):
-            await self._flush()
+            await self.flush()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                 await task
-        await super().close()
-        await self.redis.aclose()
+        self.local.close()
 
     async def ping(self) -> None:
         await self.redis.ping()
 
     # -- registry -------------------------------------------------------------------
-
-    def _new_log(self, handle: Handle) -> GenerationLog:
-        return RedisGenerationLog(handle, self)
 
     async def register(
         self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
@@ -137,9 +115,9 @@ class RedisHub(MemoryHub):
                 _run(handle.chat_id), payload, nx=True, px=self.handle_ttl_ms
             )
             if not claimed:
-                raise BadRequest("a generation is already running for this chat")
+                raise already_running()
             now_ms = int(time.time() * 1000)
-            keep = self.max_generation_ms + int(self.replay_ttl * 1000)
+            keep = self.max_generation_ms + self.replay_ttl_ms
             async with self.redis.pipeline(transaction=False) as pipe:
                 # the user's running generations: members expire with their claims
                 pipe.zremrangebyscore(_active(handle.user_id), "-inf", now_ms)
@@ -155,21 +133,20 @@ class RedisHub(MemoryHub):
                     pipe.delete(_run(handle.chat_id), _gen(handle.answer_id))
                     await pipe.execute()
                 raise too_many(max_per_user)
-        return self._open(handle, on_cancel)
+        log_ = GenerationLog(handle, self._queue)
+        self.local.add(log_, on_cancel)
+        return log_
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
-        self._release(handle)
-        log_ = self._local(handle.answer_id)
-        ttl = int(self.replay_ttl * 1000)
+        log_ = self.local.log(handle.answer_id)
+        self.local.release(handle)
         try:
-            if isinstance(log_, RedisGenerationLog):
-                log_.pending.append(terminal)
-                self._dirty[handle.answer_id] = log_
-                await self._flush(only=log_)
+            self._pending.setdefault(handle.answer_id, []).append(terminal)
+            await self.flush(only=handle.answer_id)
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.pexpire(_log(handle.answer_id), ttl)
-                pipe.pexpire(_gen(handle.answer_id), ttl)
-                pipe.pexpire(_latest(handle.chat_id), ttl)
+                pipe.pexpire(_log(handle.answer_id), self.replay_ttl_ms)
+                pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
+                pipe.pexpire(_latest(handle.chat_id), self.replay_ttl_ms)
                 pipe.delete(_cancel(handle.answer_id))
                 pipe.zrem(_active(handle.user_id), handle.answer_id)
                 await pipe.execute()
@@ -180,9 +157,9 @@ class RedisHub(MemoryHub):
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable while finishing %s: %s", handle.answer_id, exc)
         finally:
+            self._flushed.discard(handle.answer_id)
             if log_ is not None:
-                GenerationLog.append(log_, terminal)
-            self._keep_for_replay(handle)
+                log_.append(terminal)
 
     async def lookup(self, chat_id: str) -> Handle | None:
         with unavailable():
@@ -190,7 +167,7 @@ class RedisHub(MemoryHub):
         return _load_handle(raw) if raw else None
 
     async def cancel(self, handle: Handle) -> None:
-        if self._local_cancel(handle.answer_id):
+        if self.local.cancel(handle.answer_id):
             return
         with unavailable():
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -202,12 +179,12 @@ class RedisHub(MemoryHub):
         with unavailable():
             answer_id = await self.redis.get(_latest(chat_id))
         if answer_id:
-            return await self.find(answer_id.decode())
+            return await self.find(_text(answer_id))
         # Redis lost it (restarted without persistence): this process may still hold it
-        return await super().latest(chat_id)
+        return self.local.latest(chat_id)
 
     async def find(self, answer_id: str) -> Handle | None:
-        local = self._local(answer_id)
+        local = self.local.log(answer_id)
         if local is not None:
             return local.handle
         with unavailable():
@@ -216,10 +193,15 @@ class RedisHub(MemoryHub):
 
     # -- the event log ----------------------------------------------------------------
 
-    def _mark_dirty(self, log_: RedisGenerationLog, urgent: bool) -> None:
-        self._dirty[log_.handle.answer_id] = log_
+    def _queue(self, log_: GenerationLog, event: Event) -> None:
+        """A log's sink: queue a numbered event for the next flush."""
+        answer_id = log_.handle.answer_id
+        pending = self._pending.get(answer_id)
+        if pending is None:
+            pending = self._pending[answer_id] = []
+        pending.append(event)
         self._wake.set()
-        if urgent or len(log_.pending) >= FLUSH_AT:
+        if event.terminal or len(pending) >= FLUSH_AT:
             self._urgent.set()
 
     async def _flusher(self) -> None:
@@ -229,55 +211,45 @@ class RedisHub(MemoryHub):
                 async with asyncio.timeout(self.flush_interval):
                     await self._urgent.wait()
             try:
-                await self._flush()
+                await self.flush()
             except (RedisError, OSError) as exc:
                 log.warning(
-                    "redis unavailable, %d generations not flushed: %s", len(self._dirty), exc
+                    "redis unavailable, %d generations not flushed: %s", len(self._pending), exc
                 )
                 await asyncio.sleep(0.5)
-                if self._dirty:
+                if self._pending:
                     self._wake.set()  # try again: finished generations append nothing more
 
-    async def _flush(self, only: RedisGenerationLog | None = None) -> None:
-        """Write pending events — of every generation, or `only` one (a generation
-        that ends should not make all the others write early). Serialised, so each
-        log's entries stay in order."""
+    async def flush(self, only: str | None = None) -> None:
+        """Write pending events — of every generation, or of the answer id `only` (a
+        generation that ends should not make all the others write early).
+        Serialised, so each log's entries stay in order."""
         async with self._flush_lock:
             if only is not None:
-                dirty = (
-                    {only.handle.answer_id: only}
-                    if self._dirty.pop(only.handle.answer_id, None)
-                    else {}
-                )
+                pending = {only: self._pending.pop(only)} if only in self._pending else {}
             else:
                 self._wake.clear()
                 self._urgent.clear()
-                dirty, self._dirty = self._dirty, {}
-            if not dirty:
+                pending, self._pending = self._pending, {}
+            if not pending:
                 return
-            batches = []
+            keep = self.max_generation_ms + self.replay_ttl_ms
             async with self.redis.pipeline(transaction=False) as pipe:
-                for log_ in dirty.values():
-                    if not log_.pending:
-                        continue
-                    batch, log_.pending = log_.pending, []
-                    batches.append((log_, batch))
-                    key = _log(log_.handle.answer_id)
+                for answer_id, batch in pending.items():
+                    key = _log(answer_id)
                     pipe.xadd(key, {"e": _dump_events(batch)}, maxlen=LOG_CAP, approximate=True)
-                    if not log_.flushed_once:
-                        pipe.pexpire(key, self.max_generation_ms + int(self.replay_ttl * 1000))
+                    if answer_id not in self._flushed:
+                        pipe.pexpire(key, keep)
                 try:
                     await pipe.execute()
                 except BaseException:
-                    for log_, batch in batches:  # put them back, in front of newer ones
-                        log_.pending[:0] = batch
-                        self._dirty[log_.handle.answer_id] = log_
+                    for answer_id, batch in pending.items():  # back, in front of newer ones
+                        self._pending.setdefault(answer_id, [])[:0] = batch
                     raise
-            for log_, _ in batches:
-                log_.flushed_once = True
+            self._flushed.update(pending)
 
     async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
-        local = self._local(handle.answer_id)
+        local = self.local.log(handle.answer_id)
         if local is not None:
             async for batch in local.follow(after_seq):
                 yield batch
@@ -326,7 +298,7 @@ class RedisHub(MemoryHub):
 
     async def _logged(self, handle: Handle) -> list[Event]:
         """Every event of a generation that reached Redis."""
-        entries = await self.redis.xrange(_log(handle.answer_id))
+        entries = _entries([(b"", await self.redis.xrange(_log(handle.answer_id)))])
         return [event for _id, fields in entries for event in _load_events(fields[b"e"], handle)]
 
     async def _alive(self, handle: Handle) -> bool:
@@ -342,13 +314,13 @@ class RedisHub(MemoryHub):
                 await pubsub.subscribe(CHANNEL)
                 async for message in pubsub.listen():
                     if message and message.get("type") == "message":
-                        self._local_cancel(message["data"].decode())
+                        self.local.cancel(message["data"].decode())
             except (RedisError, OSError) as exc:
                 log.warning("cancel listener lost redis: %s", exc)
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _heartbeat(self) -> None:
         """Keep this process's claims alive and pick up cancel flags, in one pipeline
@@ -356,7 +328,7 @@ class RedisHub(MemoryHub):
         interval = min(self.handle_ttl_ms / 3000, 5.0)
         while True:
             await asyncio.sleep(interval)
-            running = [entry[0] for entry in self._running.values()]
+            running = self.local.running()
             if not running:
                 continue
             expiry = int(time.time() * 1000) + self.handle_ttl_ms
@@ -377,7 +349,7 @@ class RedisHub(MemoryHub):
                 continue
             for handle, flagged in zip(running, flags, strict=True):
                 if flagged:
-                    self._local_cancel(handle.answer_id)
+                    self.local.cancel(handle.answer_id)
 
 
 def _run(chat_id: str) -> str:
@@ -404,27 +376,23 @@ def _cancel(answer_id: str) -> str:
     return f"{PREFIX}cancel:{answer_id}"
 
 
-_HANDLE_FIELDS = (
-    "chat_id",
-    "answer_id",
-    "question_id",
-    "user_id",
-    "question",
-    "process",
-    "started_at",
-)
+_HANDLE_FIELDS = ("chat_id", "answer_id", "question_id", "user_id", "question")
 
 
 def _dump_handle(handle: Handle) -> bytes:
     return orjson.dumps({name: getattr(handle, name) for name in _HANDLE_FIELDS})
 
 
-def _load_handle(raw: bytes) -> Handle:
+def _load_handle(raw: bytes | str) -> Handle:
     return Handle(**orjson.loads(raw))
 
 
 def _dump_events(events: list[Event]) -> bytes:
     return orjson.dumps([[e.seq, e.type, e.data, e.ts] for e in events])
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _load_events(raw: bytes, handle: Handle) -> list[Event]:

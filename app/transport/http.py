@@ -12,8 +12,8 @@ from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..auth import Auth
 from ..errors import AppError, BadRequest
-from ..guard import Auth
 from ..protocol import ChatRequest, error_body, loads, parse_id
 
 log = logging.getLogger("app.http")
@@ -29,7 +29,7 @@ def error_response(exc: AppError, **extra: Any) -> JSONResponse:
     return JSONResponse(error_body(exc, **extra), status_code=exc.status, headers=headers)
 
 
-def guard(endpoint: Endpoint) -> Endpoint:
+def json_errors(endpoint: Endpoint) -> Endpoint:
     """Turn an `AppError` raised before a response starts into its JSON error body."""
 
     @functools.wraps(endpoint)
@@ -69,7 +69,7 @@ def client_identity(request: HTTPConnection, claimed: Any) -> str | None:
     return Auth.resolve(request.scope.get("user_id"), claimed_id)
 
 
-def bind_user(request: HTTPConnection, chat_request: ChatRequest, body: Any) -> ChatRequest:
+def request_user(request: HTTPConnection, chat_request: ChatRequest, body: Any) -> ChatRequest:
     """A chat request acting as its caller (see `client_identity`)."""
     claimed = body.get("userId") if isinstance(body, dict) else None
     user = client_identity(request, claimed)

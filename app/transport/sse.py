@@ -9,79 +9,60 @@ refusal is an HTTP status with a JSON error body.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import orjson
-from prometheus_client import Counter
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..protocol import Event, parse_chat_request, parse_id, render, render_simple_start
+from ..protocol import Encoder, Event, parse_chat_request, parse_id, render, render_simple_start
 from ..streams import Handle
-from .emitter import Emitter
-from .http import bind_user, client_identity, count_request, guard, read_json
+from .http import client_identity, count_request, json_errors, read_json, request_user
 
 PING = b": ping\n\n"
 
 
-def encode(event: Event, fmt: str) -> bytes:
-    """One event as SSE bytes (a keep-alive becomes a ping comment)."""
-    if not event.seq:
-        return PING
-    body = render(event, fmt)
-    if body is None:
-        return b""
-    return b"id: %s:%d\ndata: %s\n\n" % (event.message_id.encode(), event.seq, orjson.dumps(body))
+class SseEncoder(Encoder[bytes]):
+    """Events as SSE bytes, one chunk per batch; an upstream keep-alive becomes a
+    ping comment."""
 
+    name = "sse"
 
-class SseEmitter(Emitter):
-    """Renders events as SSE bytes. Unlike a WebSocket, an SSE response pulls: its body
-    iterates `stream()`, which follows the generation's log and yields one chunk per
-    batch of events — no queue between the log and the socket, so a client that falls
-    behind gets everything that piled up in one write, and its buffer is the log."""
+    def __init__(self, fmt: str) -> None:
+        self.format = fmt
 
-    def __init__(self, fmt: str, sent: Counter | None = None) -> None:
-        super().__init__(fmt)
-        self._sent = sent
-        self._chunks: list[bytes] = []
+    def preamble(self, handle: Handle) -> bytes | None:
+        if self.format != "simple":
+            return None
+        start = render_simple_start(handle.chat_id, handle.answer_id, handle.question)
+        return b"data: %s\n\n" % orjson.dumps(start)
 
-    async def open(self, handle: Handle) -> None:
-        if self.format == "simple":
-            start = render_simple_start(handle.chat_id, handle.answer_id, handle.question)
-            self._chunks.append(b"data: %s\n\n" % orjson.dumps(start))
+    def encode(self, events: Sequence[Event]) -> bytes | None:
+        return b"".join([self._one(event) for event in events]) or None
 
-    async def emit(self, events: Sequence[Event]) -> None:
-        fmt = self.format
-        self._chunks.append(b"".join([encode(event, fmt) for event in events]))
-        if self._sent is not None:
-            self._sent.inc(len(events))
-
-    def take(self) -> bytes:
-        chunk = b"".join(self._chunks)
-        self._chunks.clear()
-        return chunk
-
-    async def stream(self, service: Any, handle: Handle, after_seq: int) -> AsyncIterator[bytes]:
-        await self.open(handle)
-        async for batch in service.follow(handle, after_seq):
-            await self.emit(batch)
-            chunk = self.take()
-            if chunk:
-                yield chunk
+    def _one(self, event: Event) -> bytes:
+        if not event.seq:
+            return PING
+        body = render(event, self.format)
+        if body is None:
+            return b""
+        return b"id: %s:%d\ndata: %s\n\n" % (
+            event.message_id.encode(),
+            event.seq,
+            orjson.dumps(body),
+        )
 
 
 def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int = 0) -> Response:
-    service = request.app.state.service
-    settings = request.app.state.settings
-    metrics = request.app.state.metrics
-    emitter = SseEmitter(fmt, metrics.events_sent.labels("sse"))
-    connections = metrics.connections_active.labels("sse")
+    """The generation's events from `after_seq` as an SSE response. A client that
+    stops reading is let go; the generation goes on, resumable."""
+    state = request.app.state
+    connections = state.metrics.connections_active.labels("sse")
 
     async def body() -> AsyncIterator[bytes]:
         connections.inc()
         try:
-            async for chunk in emitter.stream(service, handle, after_seq):
+            async for chunk in state.service.relay(handle, SseEncoder(fmt), after_seq):
                 yield chunk
         finally:
             connections.dec()
@@ -89,15 +70,14 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
     return EventSourceResponse(
         body(),
         headers={"Cache-Control": "no-cache"},
-        ping=settings.server.keepalive_seconds,
+        ping=state.settings.server.keepalive_seconds,
         ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
         sep="\n",
-        # a client that stops reading is let go; the generation goes on, resumable
-        send_timeout=settings.stream.client_timeout_seconds,
+        send_timeout=state.settings.stream.client_timeout_seconds,
     )
 
 
-@guard
+@json_errors
 async def chat(request: Request) -> Response:
     settings = request.app.state.settings
     body = await read_json(request, settings.limits.max_body_bytes)
@@ -109,13 +89,13 @@ async def chat(request: Request) -> Response:
         host=request.headers.get("host", ""),
         transport="sse",
     )
-    chat_request = bind_user(request, chat_request, body)
+    chat_request = request_user(request, chat_request, body)
     await count_request(request)
     handle = await request.app.state.service.start(chat_request)
     return stream_response(request, handle, chat_request.format)
 
 
-@guard
+@json_errors
 async def resume(request: Request) -> Response:
     params = request.query_params
     chat_id = params.get("chatId")

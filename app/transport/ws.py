@@ -12,15 +12,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
-from prometheus_client import Counter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import AppError, BadRequest, RateLimited
 from ..protocol import (
+    Encoder,
     Event,
     error_body,
     loads,
@@ -30,10 +30,40 @@ from ..protocol import (
     render_simple_start,
 )
 from ..streams import Handle
-from .emitter import Emitter
-from .http import bind_user, client_identity, count_request
+from .http import client_identity, count_request, request_user
 
 log = logging.getLogger("app.ws")
+
+
+class WsEncoder(Encoder[list[str]]):
+    """Events as WebSocket text frames (one per event) with `eventId`; an upstream
+    keep-alive becomes a `keep-alive` frame."""
+
+    name = "ws"
+
+    def __init__(self, fmt: str) -> None:
+        self.format = fmt
+
+    def preamble(self, handle: Handle) -> list[str] | None:
+        if self.format != "simple":
+            return None
+        return [dumps(render_simple_start(handle.chat_id, handle.answer_id, handle.question))]
+
+    def encode(self, events: Sequence[Event]) -> list[str] | None:
+        frames = []
+        fmt = self.format
+        for event in events:
+            frame = render(event, fmt)
+            if frame is None:
+                continue
+            if event.seq:
+                frame["eventId"] = event.event_id
+            frames.append(dumps(frame))
+        return frames or None
+
+
+def dumps(frame: dict[str, Any]) -> str:
+    return orjson.dumps(frame).decode()
 
 
 class SocketWriter:
@@ -45,45 +75,20 @@ class SocketWriter:
         self.timeout = timeout
         self.lock = asyncio.Lock()
 
-    async def send(self, frames: Sequence[dict[str, Any]]) -> None:
+    async def send(self, frames: Sequence[str]) -> None:
         async with self.lock:
             try:
                 async with asyncio.timeout(self.timeout):
                     for frame in frames:
-                        await self.websocket.send_text(orjson.dumps(frame).decode())
+                        await self.websocket.send_text(frame)
             except TimeoutError:
                 log.info("closing a websocket that stopped reading")
                 with contextlib.suppress(Exception):
                     await self.websocket.close(1008)
                 raise WebSocketDisconnect(1008) from None
 
-
-class WebSocketEmitter(Emitter):
-    def __init__(self, writer: SocketWriter, fmt: str, sent: Counter | None = None) -> None:
-        super().__init__(fmt)
-        self.writer = writer
-        self._sent = sent
-
-    async def open(self, handle: Handle) -> None:
-        if self.format == "simple":
-            await self.writer.send(
-                [render_simple_start(handle.chat_id, handle.answer_id, handle.question)]
-            )
-
-    async def emit(self, events: Sequence[Event]) -> None:
-        frames = []
-        fmt = self.format
-        for event in events:
-            frame = render(event, fmt)
-            if frame is None:
-                continue
-            if event.seq:
-                frame["eventId"] = f"{event.message_id}:{event.seq}"
-            frames.append(frame)
-        if frames:
-            await self.writer.send(frames)
-            if self._sent is not None:
-                self._sent.inc(len(frames))
+    async def send_json(self, frame: dict[str, Any]) -> None:
+        await self.send([dumps(frame)])
 
 
 class Session:
@@ -97,25 +102,24 @@ class Session:
         self.metrics = app.state.metrics
         self.writer = SocketWriter(websocket, self.settings.stream.client_timeout_seconds)
         self.relays: set[asyncio.Task[None]] = set()
-        self._sent = self.metrics.events_sent.labels("ws")
         self._rate = self.settings.limits.ws_messages_per_second
         self._allowance = self._rate
         self._checked = time.monotonic()
 
     def follow(self, handle: Handle, fmt: str, after_seq: int = 0) -> None:
-        emitter = WebSocketEmitter(self.writer, fmt, self._sent)
-        task = asyncio.create_task(self._relay(handle, emitter, after_seq))
+        task = asyncio.create_task(self._relay(handle, WsEncoder(fmt), after_seq))
         self.relays.add(task)
         task.add_done_callback(self.relays.discard)
 
-    async def _relay(self, handle: Handle, emitter: WebSocketEmitter, after_seq: int) -> None:
+    async def _relay(self, handle: Handle, encoder: WsEncoder, after_seq: int) -> None:
         try:
-            await self.service.relay(handle, emitter, after_seq)
+            async for frames in self.service.relay(handle, encoder, after_seq):
+                await self.writer.send(frames)
         except (WebSocketDisconnect, OSError, RuntimeError):
             pass  # the socket went away; the generation goes on and stays resumable
 
     async def run(self) -> None:
-        await self.writer.send([{"type": "signal", "data": "open"}])
+        await self.writer.send_json({"type": "signal", "data": "open"})
         while True:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
@@ -128,8 +132,8 @@ class Session:
                 await self.handle(body)
             except AppError as exc:
                 self.metrics.errors.labels(exc.key).inc()
-                await self.writer.send(
-                    [error_body(exc, **({"chatId": chat_id} if chat_id else {}))]
+                await self.writer.send_json(
+                    error_body(exc, **({"chatId": chat_id} if chat_id else {}))
                 )
 
     def _throttle(self) -> None:
@@ -145,7 +149,7 @@ class Session:
             )
         self._allowance -= 1
 
-    def _decode(self, message: dict[str, Any]) -> Any:
+    def _decode(self, message: Mapping[str, Any]) -> Any:
         self._throttle()
         text = message.get("text")
         if text is None:
@@ -168,7 +172,7 @@ class Session:
                 host=websocket.headers.get("host", ""),
                 transport="ws",
             )
-            request = bind_user(websocket, request, body)
+            request = request_user(websocket, request, body)
             await count_request(websocket)
             handle = await service.start(request)
             self.follow(handle, request.format)
@@ -185,7 +189,7 @@ class Session:
                 "messageId": handle.answer_id,
                 "cancelled": True,
             }
-            await self.writer.send([frame])
+            await self.writer.send_json(frame)
         elif kind == "resume":
             control = parse_control(body)
             handle, seq = await service.find_resumable(
@@ -193,7 +197,7 @@ class Session:
             )
             self.follow(handle, control.format, seq)
         elif kind == "ping":
-            await self.writer.send([{"type": "pong"}])
+            await self.writer.send_json({"type": "pong"})
         else:
             raise BadRequest("type must be one of message, cancel, resume, ping")
 

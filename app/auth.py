@@ -18,10 +18,14 @@ import hmac
 import math
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from .errors import Forbidden, RateLimited, Unauthorized
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 WINDOW_SECONDS = 60
 
@@ -74,9 +78,9 @@ class Auth:
 class RateLimiter:
     """Fixed one-minute windows per key; `limit` 0 turns it off."""
 
-    def __init__(self, limit: int, redis: object | None = None) -> None:
+    def __init__(self, limit: int, redis: aioredis.Redis | None = None) -> None:
         self.limit = limit
-        self.redis = redis  # a redis.asyncio.Redis, or None for in-memory counting
+        self.redis = redis  # None: count in this process
         self._counts: dict[tuple[str, int], int] = {}
 
     async def hit(self, who: str) -> None:
@@ -97,7 +101,7 @@ class RateLimiter:
         if self.redis is not None:
             key = f"sc:rate:{who}:{window}"
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+                async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.incr(key)
                     pipe.expire(key, WINDOW_SECONDS * 2)
                     count, _ = await pipe.execute()
