@@ -8,30 +8,28 @@ are gathered through a directory of their own.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
-from typing import Any
 
 import uvicorn
 
 from . import config, logs
 from .main import create_app, tune_gc
+from .serving import uvicorn_options
 
 
 def main() -> None:
     settings = config.load()
     logs.configure()
+    if settings.server.workers > 1 and not settings.redis.url:
+        # each worker would keep its own registry: a stop or a resume would reach
+        # the generation only when it lands on the worker that runs it
+        sys.exit(
+            "server.workers (WEB_CONCURRENCY) above 1 needs redis.url (REDIS_URL): "
+            "workers share running answers, stop and resume through Redis"
+        )
     tune_gc()
-    options: dict[str, Any] = {
-        "host": settings.server.host,
-        "port": settings.server.port,
-        "ws": "websockets-sansio",
-        "log_config": None,
-        "access_log": False,
-        "proxy_headers": True,
-        # the app drains on SIGTERM before uvicorn starts closing connections;
-        # this only bounds what is left after that
-        "timeout_graceful_shutdown": 5,
-    }
+    options = uvicorn_options(settings)
     if settings.server.workers > 1:
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="searchchat-metrics-")

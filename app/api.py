@@ -10,11 +10,37 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 
 from .chat.service import ChatService
 from .errors import BadRequest, NotFound
-from .protocol import FOCUS_MODES, OPTIMIZATION_MODES, parse_control, parse_history, parse_id
+from .protocol import (
+    FOCUS_MODES,
+    FORMATS,
+    OPTIMIZATION_MODES,
+    parse_control,
+    parse_history,
+    parse_id,
+)
 from .store import StoredMessage
-from .transport.http import client_identity, count_request, error_response, json_errors, read_json
+from .transport.http import (
+    ANONYMOUS,
+    client_identity,
+    count_request,
+    error_response,
+    json_errors,
+    read_json,
+)
 
 WEB_INDEX = Path(__file__).resolve().parent / "web" / "index.html"
+
+#: on every HTML page the server makes: no inline script, no framing, no sniffing
+HTML_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';"
+        " img-src 'self' https: http: data:; connect-src 'self'; frame-src https:;"
+        " object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
 
 
 def _service(request: Request) -> ChatService:
@@ -22,13 +48,13 @@ def _service(request: Request) -> ChatService:
     return service
 
 
-def _user(request: Request) -> str | None:
+def _user(request: Request) -> str:
     return client_identity(request, request.query_params.get("userId"))
 
 
 @json_errors
 async def list_chats(request: Request) -> Response:
-    chats = await _service(request).list_chats(_user(request) or "0")
+    chats = await _service(request).list_chats(_user(request))
     return JSONResponse([chat.to_json() for chat in chats])
 
 
@@ -49,25 +75,39 @@ async def delete_chat(request: Request) -> Response:
 @json_errors
 async def sources(request: Request) -> Response:
     message_id = parse_id(request.path_params["message_id"], "messageId")
-    message = await _service(request).question_sources(message_id, _user(request))
+    sig = request.query_params.get("sig") or None
+    user = ANONYMOUS if sig else _user(request)
+    message = await _service(request).question_sources(message_id, user, sig)
     if "text/html" in request.headers.get("accept", ""):
-        return HTMLResponse(sources_page(message))
+        return HTMLResponse(sources_page(message), headers=HTML_HEADERS)
     return JSONResponse({"messageId": message.id, "sources": message.sources})
 
 
 def sources_page(message: StoredMessage) -> str:
-    items = "\n".join(
-        '<li><a href="{url}" rel="noopener noreferrer">{title}</a><p>{text}</p></li>'.format(
-            url=html.escape(s.get("metadata", {}).get("url", ""), quote=True),
-            title=html.escape(s.get("metadata", {}).get("title", "") or "(untitled)"),
-            text=html.escape((s.get("pageContent") or "")[:500]),
-        )
-        for s in message.sources
-    )
+    """The sources as a plain HTML list. Only http(s) addresses become links: a result
+    can carry any URL (`javascript:…`), and this page is on the server's origin."""
+    items = []
+    for source in message.sources:
+        meta = source.get("metadata", {})
+        url, title = str(meta.get("url", "")), str(meta.get("title", "") or "(untitled)")
+        text = html.escape(str(source.get("pageContent") or "")[:500])
+        if safe_url(url):
+            link = f'<a href="{html.escape(url, quote=True)}" rel="noopener noreferrer">'
+            items.append(f"<li>{link}{html.escape(title)}</a><p>{text}</p></li>")
+        else:
+            items.append(f"<li>{html.escape(title)}<p>{text}</p></li>")
+    question = html.escape(message.rewritten or message.content)
     return (
         "<!doctype html><meta charset=utf-8><title>Sources</title>"
-        f"<h1>Sources for “{html.escape(message.rewritten or message.content)}”</h1><ol>{items}</ol>"
+        f"<h1>Sources for “{question}”</h1><ol>{''.join(items)}</ol>"
     )
+
+
+def safe_url(url: str) -> bool:
+    """An absolute http(s) URL, after the clean-up a browser does (it drops tabs and
+    newlines inside a scheme: `java\tscript:`)."""
+    cleaned = "".join(ch for ch in url if ch not in "\t\n\r").strip().lower()
+    return cleaned.startswith(("http://", "https://"))
 
 
 async def config(request: Request) -> Response:
@@ -76,7 +116,7 @@ async def config(request: Request) -> Response:
         {
             "focusModes": list(FOCUS_MODES),
             "optimizationModes": list(OPTIMIZATION_MODES),
-            "formats": ["default", "simple"],
+            "formats": list(FORMATS),
             "searchProvider": settings.search.provider,
             "readerProvider": settings.reader.provider,
             "chatModel": settings.llm.model,
@@ -99,14 +139,16 @@ async def suggestions(request: Request) -> Response:
         settings.limits.max_content_chars,
     )
     chat_id = body.get("chatId")
+    if history is None and chat_id in (None, ""):
+        raise BadRequest("send chatId or history")
     user_id = client_identity(request, body.get("userId"))
+    service = _service(request)
+    if history is None:
+        history = tuple(await service.chat_history(parse_id(chat_id, "chatId"), user_id))
+    if not history:
+        raise BadRequest("there is no conversation to suggest from")
     await count_request(request)
-    found = await _service(request).suggestions(
-        user_id,
-        chat_id=parse_id(chat_id, "chatId") if chat_id not in (None, "") else None,
-        history=history,
-    )
-    return JSONResponse({"suggestions": found})
+    return JSONResponse({"suggestions": await service.suggestions(history)})
 
 
 @json_errors
@@ -150,4 +192,4 @@ async def metrics(request: Request) -> Response:
 
 async def web_client(request: Request) -> Response:
     """The browser client (static files under /static)."""
-    return FileResponse(WEB_INDEX, headers={"Cache-Control": "no-cache"})
+    return FileResponse(WEB_INDEX, headers={"Cache-Control": "no-cache", **HTML_HEADERS})

@@ -32,6 +32,10 @@ class ServerSettings:
     public_url: str = ""
     shutdown_grace_seconds: float = 30.0
     workers: int = 1
+    #: addresses whose X-Forwarded-For is believed (a reverse proxy in front)
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    #: the most a request's headers may take, in bytes (larger: 431)
+    max_header_bytes: int = 16384
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class StreamSettings:
     replay_ttl_seconds: float = 300.0
     max_queue_events: int = 1024
     handle_ttl_seconds: float = 15.0
-    flush_interval_ms: float = 1000.0
+    flush_interval_ms: float = 200.0
     client_timeout_seconds: float = 30.0
 
 
@@ -123,7 +127,7 @@ class LimitsSettings:
     max_content_chars: int = 32_000
     requests_per_minute: int = 0
     max_history_messages: int = 200
-    max_concurrent_generations: int = 4
+    max_concurrent_generations: int = 16
     ws_messages_per_second: float = 20.0
 
 

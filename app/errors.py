@@ -23,12 +23,18 @@ from __future__ import annotations
 class AppError(Exception):
     key = "INTERNAL"
     status = 500
+    #: seconds a client should wait before trying again (sent as `Retry-After`)
+    retry_after: int | None = None
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class BadRequest(AppError):
@@ -60,8 +66,7 @@ class RateLimited(AppError):
     status = 429
 
     def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
 
 
 class ConfigError(AppError):

@@ -7,7 +7,9 @@ well. So the app takes the signal first: it stops accepting generations
 `server.shutdown_grace_seconds`, cancels the rest (each saves its partial
 answer as `cancelled` and sends `messageEnd` to its clients), closes open
 WebSockets with 1001, and only then hands the signal to the server, which
-finds nothing left to wait for. A second signal hands it over at once.
+finds nothing left to wait for. A second signal ends the answers at once (each
+still saved as `cancelled` with its `messageEnd`); a third hands the signal
+over at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from typing import Any
 
 from sse_starlette.sse import AppStatus
 
+from .chat.service import ChatService
+from .transport.ws import Session
+
 log = logging.getLogger("app.lifecycle")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -32,11 +37,12 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class GracefulShutdown:
-    def __init__(self, service: Any, sessions: set[Any], grace: float) -> None:
+    def __init__(self, service: ChatService, sessions: set[Session], grace: float) -> None:
         self.service = service
         self.sessions = sessions
         self.grace = grace
         self.draining = False
+        self.signals = 0
         self._previous: dict[int, Handler] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -60,12 +66,18 @@ class GracefulShutdown:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.draining or self._loop is None:
+        self.signals += 1
+        if self._loop is None or self.signals > 2:
             self._hand_over(signum, frame)
+            return
+        if self.signals == 2:
+            log.info("shutting down now: answers end as cancelled (a third signal cuts them)")
+            self._loop.call_soon_threadsafe(self.service.hurry)
             return
         self.draining = True
         log.info(
-            "shutting down: draining generations", extra={"fields": {"graceSeconds": self.grace}}
+            "shutting down: draining generations (a second signal stops them at once)",
+            extra={"fields": {"graceSeconds": self.grace}},
         )
         self._loop.call_soon_threadsafe(self._start, signum, frame)
 

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,13 +21,13 @@ from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
-from .ids import Snowflake
+from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
 from .llm import Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
 from .prompts import Prompts
-from .search.web import WebSearch
+from .search.web import WebSearch, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
 from .transport import sse, ws
@@ -83,6 +84,8 @@ async def open_service(
             ),
             metrics=metrics,
         )
+        await stack.enter_async_context(WorkerLease(the_store, service.ids))
+        await service.open()
         try:
             yield service
         finally:
@@ -126,6 +129,7 @@ def create_app(
             )
             app.state.shutdown = shutdown
             shutdown.install()
+            announce(settings, service)
             try:
                 yield
             finally:
@@ -160,6 +164,35 @@ def create_app(
         Middleware(AuthMiddleware, auth=auth),
     ]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+def announce(settings: Settings, service: ChatService) -> None:
+    """One line saying what runs, and a warning for each thing that will not work."""
+    store_kind = settings.store.url.partition(":")[0]
+    log.info(
+        "serving",
+        extra={
+            "fields": {
+                "store": store_kind,
+                "redis": bool(settings.redis.url),
+                "model": settings.llm.model,
+                "modelHost": urlsplit(settings.llm.base_url).hostname,
+                "searchProvider": settings.search.provider,
+                "auth": bool(settings.auth.api_keys),
+                "workerNumber": service.ids.worker,
+            }
+        },
+    )
+    if not settings.llm.api_key:
+        log.warning("no model key (LLM_API_KEY): every question will be refused with CONFIG_ERROR")
+    problem = search_problem(settings)
+    if problem:
+        log.warning("web search will not work: %s; answers come without sources", problem)
+    if not settings.auth.api_keys and settings.server.host not in ("127.0.0.1", "localhost"):
+        log.warning(
+            "auth is off on %s: anyone who reaches this port can ask (and spend the model key)",
+            settings.server.host,
+        )
 
 
 def tune_gc() -> None:

@@ -45,6 +45,7 @@ class ChatRequest:
     format: str = "default"
     host: str = ""  # the Host the request came to (for links), set by the transport
     transport: str = ""  # "sse" or "ws", for logs and metrics only
+    cap_key: str = ""  # whom the concurrency cap counts: the key's user, else the address
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +253,9 @@ class Event:
         return self.type in TERMINAL
 
     @property
-    def event_id(self) -> str | None:
-        return f"{self.message_id}:{self.seq}" if self.seq else None
+    def event_id(self) -> str:
+        """`<answerMessageId>:<seq>` (numbered events only carry one on the wire)."""
+        return f"{self.message_id}:{self.seq}"
 
 
 def render_default(event: Event) -> dict[str, Any]:
@@ -300,6 +302,13 @@ def render_simple_start(chat_id: str, message_id: str, question: str) -> dict[st
         "timestamp": time.time(),
         "metadata": {"chatId": chat_id, "messageId": message_id},
     }
+
+
+def render_start(handle: Handle, fmt: str) -> dict[str, Any] | None:
+    """What opens a subscription in a format (the simple format's `start`), if anything."""
+    if fmt != "simple":
+        return None
+    return render_simple_start(handle.chat_id, handle.answer_id, handle.question)
 
 
 def render(event: Event, fmt: str) -> dict[str, Any] | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,3 +70,13 @@ def reasoning_of(events: list[Any]) -> str:
 
 def _type(e: Any) -> str:
     return e.type if hasattr(e, "type") else e["type"]
+
+
+async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 5.0) -> Any:
+    """Poll `predicate` until it returns something true; AssertionError after `timeout`."""
+    for _ in range(int(timeout / 0.02)):
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")

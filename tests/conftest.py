@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,6 +23,16 @@ from app.main import create_app
 from tests.fakes.model import DEFAULT_REPLIES, FakeModel
 from tests.fakes.search import FakeSearch
 from tests.servers import ServerThread, free_port, serve, wait_for_port
+
+
+async def _as_user(request: httpx.Request) -> None:
+    if "userId" not in request.url.params:
+        request.url = request.url.copy_add_param("userId", "1")
+
+
+#: event hooks of an httpx client that acts as user "1", the user `chat_body` names:
+#: auth is off, so a request names its user in the query (PROTOCOL §7)
+USER: dict[str, Any] = {"request": [_as_user]}
 
 
 @pytest.fixture
@@ -97,7 +108,9 @@ def server(settings: Settings) -> Iterator[ServerThread]:
 
 @pytest.fixture
 async def client(server: ServerThread) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+    """A client acting as user "1" (the user `chat_body` names): auth is off, so a
+    GET names its user in the query (PROTOCOL §7)."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=10, event_hooks=USER) as http:
         yield http
 
 
@@ -224,6 +237,14 @@ class PostgresServer:
             stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port, timeout=30)
+        # listening is not accepting ("the database system is starting up")
+        ready = _pg_binary("pg_isready")
+        deadline = time.monotonic() + 30
+        while ready and time.monotonic() < deadline:
+            probe = [ready, "-q", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres"]
+            if subprocess.run(probe, check=False).returncode == 0:
+                break
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Fast shutdown: open sessions are cut, as in a crash-free restart."""

@@ -18,6 +18,8 @@ from typing import Any
 
 import uvicorn
 
+from app.serving import BoundedHeaders
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,7 +49,12 @@ class ServerThread(Loopback):
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.port = self.sock.getsockname()[1]
-        options = {"log_level": "warning", "ws": "websockets-sansio", "lifespan": "on"}
+        options = {
+            "log_level": "warning",
+            "ws": "websockets-sansio",
+            "http": BoundedHeaders,
+            "lifespan": "on",
+        }
         options.update(config)
         self.server = uvicorn.Server(uvicorn.Config(app, **options))
         self.loop: asyncio.AbstractEventLoop | None = None

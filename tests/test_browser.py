@@ -97,7 +97,9 @@ def test_ask_and_see_the_streamed_answer_with_sources(page, fake_model, fake_sea
 
 def test_stop_keeps_the_partial_answer_and_closes_the_model_stream(page, fake_model):
     ask(page, "tell me a long story #tokens=500 #delay=0.02", focus="deepSeek")
-    page.wait_for_function("document.querySelector('.turn .answer').innerText.includes('tok5')")
+    page.wait_for_function(
+        "() => document.querySelector('.turn .answer').innerText.includes('tok5')"
+    )
     page.click("#stop")
     wait_state(page, "cancelled")
     assert page.locator(".turn .status").inner_text() == "stopped"
@@ -113,7 +115,9 @@ def test_stop_keeps_the_partial_answer_and_closes_the_model_stream(page, fake_mo
 
 def test_reload_mid_answer_resumes_without_a_second_model_call(page, fake_model):
     ask(page, "count slowly #tokens=150 #delay=0.02", focus="deepSeek")
-    page.wait_for_function("document.querySelector('.turn .answer').innerText.includes('tok10')")
+    page.wait_for_function(
+        "() => document.querySelector('.turn .answer').innerText.includes('tok10')"
+    )
     page.reload()
     wait_state(page, "completed")
     expected = " ".join(f"tok{i}" for i in range(150))
@@ -129,11 +133,13 @@ def test_reopen_a_chat_from_the_sidebar_and_delete_it(page, fake_model):
     wait_state(page, "completed")
     page.fill("#question", "follow-up #tokens=2")
     page.click("#send")
-    page.wait_for_function("document.querySelectorAll('.turn[data-state=completed]').length === 2")
+    page.wait_for_function(
+        "() => document.querySelectorAll('.turn[data-state=completed]').length === 2"
+    )
     page.click("#new-chat")
     assert page.locator(".turn").count() == 0
     page.click("#chats li .open:has-text('First chat')")
-    page.wait_for_function("document.querySelectorAll('.turn').length === 2")
+    page.wait_for_function("() => document.querySelectorAll('.turn').length === 2")
     assert page.locator(".turn .question").all_inner_texts() == [
         "first question #tokens=3",
         "follow-up #tokens=2",
@@ -141,5 +147,5 @@ def test_reopen_a_chat_from_the_sidebar_and_delete_it(page, fake_model):
     assert page.locator(".turn .answer").nth(1).inner_text().strip() == "tok0 tok1"
     page.hover("#chats li")
     page.click("#chats li .delete")
-    page.wait_for_function("document.querySelectorAll('#chats li').length === 0")
+    page.wait_for_function("() => document.querySelectorAll('#chats li').length === 0")
     assert page.locator(".turn").count() == 0

@@ -6,18 +6,9 @@ import asyncio
 
 import pytest
 
-from tests.client import chat_body, sse_chat
+from tests.client import chat_body, sse_chat, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-async def wait_for(predicate, timeout=5.0):
-    for _ in range(int(timeout / 0.02)):
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def test_new_chat_is_saved_with_title_question_and_answer(client, fake_model):
@@ -179,9 +170,11 @@ async def test_suggestions_from_history_and_from_a_chat(client, fake_model):
         "When did it start?",
     ]
     await sse_chat(client, chat_body("q", chatId="120"))
-    response = await client.post("/api/suggestions", json={"chatId": "120"})
+    response = await client.post("/api/suggestions", json={"chatId": "120", "userId": "1"})
     assert len(response.json()["suggestions"]) == 4
-    assert (await client.post("/api/suggestions", json={"chatId": "999"})).status_code == 404
+    assert (
+        await client.post("/api/suggestions", json={"chatId": "999", "userId": "1"})
+    ).status_code == 404
     assert (await client.post("/api/suggestions", json={})).status_code == 400
 
 

@@ -11,6 +11,7 @@ from httpx_ws import aconnect_ws
 
 from app.main import create_app
 from tests.client import chat_body, sse_chat
+from tests.conftest import USER
 from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
@@ -65,7 +66,7 @@ async def test_unreachable_model_is_a_chat_error(settings, fake_model):
         port = closed.getsockname()[1]
     unreachable = settings.replace(llm={"base_url": f"http://127.0.0.1:{port}/v1"})
     with serve(create_app(unreachable)) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, event_hooks=USER) as client:
             events = await sse_chat(client, chat_body("q", chatId="520"))
             assert events[-1].type == "error"
             assert events[-1].data["key"] == "CHAT_ERROR"
@@ -75,7 +76,7 @@ async def test_unreachable_model_is_a_chat_error(settings, fake_model):
 
 async def test_model_deadline_ends_the_generation(settings, fake_model):
     with serve(create_app(settings.replace(llm={"timeout_seconds": 0.5}))) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, event_hooks=USER) as client:
             events = await sse_chat(
                 client, chat_body("q #keepalive=3 #tokens=50 #delay=0.05", chatId="525")
             )
@@ -87,7 +88,7 @@ async def test_model_deadline_ends_the_generation(settings, fake_model):
 
 async def test_no_model_key_is_a_config_error(settings, fake_model):
     with serve(create_app(settings.replace(llm={"api_key": ""}))) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, event_hooks=USER) as client:
             response = await client.post("/api/chat/sse", json=chat_body("q"))
             assert response.status_code == 503
             assert response.json()["key"] == "CONFIG_ERROR"

@@ -10,7 +10,8 @@ import orjson
 import pytest
 from httpx_ws import aconnect_ws
 
-from tests.client import SseEvent, answer_of, chat_body, iter_sse
+from tests.client import SseEvent, answer_of, chat_body, iter_sse, wait_for
+from tests.conftest import USER
 from tests.servers import processes
 
 pytestmark = pytest.mark.anyio
@@ -57,7 +58,7 @@ async def saved_answer(client, base_url, chat_id, status=None, timeout=5.0):
 
 async def test_cancel_on_another_process_stops_the_sse_stream_and_the_model_call(pair, fake_model):
     a, b = pair
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, event_hooks=USER) as http:
         body = chat_body("long #tokens=500 #delay=0.02", chatId="900")
         async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
             stream = iter_sse(response)
@@ -86,7 +87,7 @@ async def test_cancel_on_another_process_stops_the_sse_stream_and_the_model_call
 
 async def test_cancel_over_websocket_on_another_process(pair, fake_model):
     a, b = pair
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, event_hooks=USER) as http:
         async with (
             aconnect_ws(a.ws_url + "/api/chat/ws", http) as ws_a,
             aconnect_ws(b.ws_url + "/api/chat/ws", http) as ws_b,
@@ -116,7 +117,7 @@ async def test_cancel_over_websocket_on_another_process(pair, fake_model):
 
 async def test_cancel_before_the_first_token(pair, fake_model):
     a, b = pair
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, event_hooks=USER) as http:
         async with http.stream(
             "POST", a.url + "/api/chat/sse", json=chat_body("slow start #wait=3", chatId="902")
         ) as response:
@@ -134,7 +135,7 @@ async def test_cancel_before_the_first_token(pair, fake_model):
 
 async def test_cancel_refusals(pair, fake_model):
     a, b = pair
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, event_hooks=USER) as http:
         unknown = await http.post(
             b.url + "/api/chat/cancel", json={"chatId": "12345", "userId": "1"}
         )
@@ -176,7 +177,7 @@ async def test_cancel_refusals(pair, fake_model):
 async def test_resume_on_another_process_continues_without_gap_or_duplicate(pair, fake_model):
     a, b = pair
     tokens = 300
-    async with httpx.AsyncClient(timeout=20) as http:
+    async with httpx.AsyncClient(timeout=20, event_hooks=USER) as http:
         async with http.stream(
             "POST",
             a.url + "/api/chat/sse",
@@ -203,7 +204,7 @@ async def test_resume_on_another_process_continues_without_gap_or_duplicate(pair
             await ws.receive_text()
             await ws.send_text(
                 orjson.dumps(
-                    {"type": "resume", "chatId": "904", "lastEventId": head[10].id}
+                    {"type": "resume", "chatId": "904", "userId": "1", "lastEventId": head[10].id}
                 ).decode()
             )
             frames = []
@@ -220,7 +221,7 @@ async def test_resume_on_another_process_continues_without_gap_or_duplicate(pair
 
 async def test_killed_process_leaves_no_handle_and_resume_ends_cleanly(pair, fake_model):
     a, b = pair
-    async with httpx.AsyncClient(timeout=20) as http:
+    async with httpx.AsyncClient(timeout=20, event_hooks=USER) as http:
         async with http.stream(
             "POST",
             a.url + "/api/chat/sse",
@@ -243,8 +244,13 @@ async def test_killed_process_leaves_no_handle_and_resume_ends_cleanly(pair, fak
         assert "lost" in tail[-1].data["data"]
         cancel = await http.post(b.url + "/api/chat/cancel", json={"chatId": "905", "userId": "1"})
         assert cancel.status_code == 404
-        # what it had logged is saved as failed, not left "streaming"
-        answer = (await http.get(b.url + "/api/chats/905")).json()["messages"][-1]
+
+        # the sweeper saves what it had logged as failed, not left "streaming"
+        async def closed():
+            answer = (await http.get(b.url + "/api/chats/905")).json()["messages"][-1]
+            return answer if answer["status"] != "streaming" else None
+
+        answer = await wait_for(closed, timeout=10)
         assert answer["status"] == "failed"
         logged = "".join(e.data["data"] for e in head[:3] + tail if e.type == "message")
         assert answer["content"] == logged and logged.startswith("tok0 ")

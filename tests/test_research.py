@@ -10,6 +10,7 @@ import pytest
 
 from app.main import create_app
 from tests.client import chat_body, sse_chat
+from tests.conftest import USER
 from tests.fakes.search import RESULT_COUNT
 from tests.servers import serve
 
@@ -29,7 +30,7 @@ def progress(events):
 
 
 async def run(server, body):
-    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
         return await sse_chat(client, body), client
 
 
@@ -38,7 +39,7 @@ async def test_research_plans_iterates_and_stops_when_the_model_says_so(
 ):
     fake_model.replies[:0] = [(PLAN, "methane engines list\nraptor vs be-4"), (REFLECT, "stop")]
     with serve(create_app(settings)) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
             events = await sse_chat(client, research_body(chatId="800", messageId="801"))
             saved = (await client.get("/sources/801")).json()["sources"]
     steps = progress(events)
@@ -110,7 +111,7 @@ async def test_research_can_be_cancelled_mid_iteration(settings, fake_model, fak
     fake_model.replies[:0] = [(PLAN, "slow one\nslow two")]
     fake_search.search_delay = 5.0
     with serve(create_app(settings)) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
             async with client.stream(
                 "POST", "/api/chat/sse", json=research_body(chatId="810")
             ) as response:
@@ -119,7 +120,9 @@ async def test_research_can_be_cancelled_mid_iteration(settings, fake_model, fak
                 async for line in response.aiter_lines():
                     lines.append(line)
                     if "iteration 1: searching 2 sub-questions" in line:
-                        cancel = await client.post("/api/chat/cancel", json={"chatId": "810"})
+                        cancel = await client.post(
+                            "/api/chat/cancel", json={"chatId": "810", "userId": "1"}
+                        )
                         assert cancel.status_code == 200
             assert time.monotonic() - started < 2.5
             assert '"status":"cancelled"' in lines[-2]

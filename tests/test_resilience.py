@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from app.errors import BadRequest
 from app.main import create_app
 from app.protocol import loads, parse_chat_request
-from tests.client import SseEvent, chat_body, iter_sse, sse_chat
-from tests.conftest import RedisServer
+from tests.client import SseEvent, chat_body, iter_sse, sse_chat, wait_for
+from tests.conftest import USER, RedisServer
 from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
@@ -209,7 +209,7 @@ async def test_upstream_faults_end_cleanly_with_nothing_leaked(
 ):
     with serve(create_app(settings.replace(llm={"read_timeout_seconds": 0.5}))) as server:
         idle = server.call(_state(server.app))["tasks"]
-        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
             events = await sse_chat(http, chat_body(f"q {directive}", chatId="960"))
             assert events[-1].type == "error" and events[-1].data["key"] == key
             answer = (await http.get("/api/chats/960")).json()["messages"][-1]
@@ -235,7 +235,7 @@ async def test_a_model_that_never_answers_times_out(settings, fake_model):
             llm={"base_url": f"http://127.0.0.1:{port}/v1", "read_timeout_seconds": 0.5}
         )
         with serve(create_app(mute)) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
                 started = time.monotonic()
                 events = await sse_chat(http, chat_body("q"))
                 assert time.monotonic() - started < 5
@@ -253,7 +253,10 @@ async def test_two_hundred_abrupt_disconnects_leak_nothing(settings, fake_model)
 async def _two_hundred_abrupt_disconnects(server):
     idle = server.call(_state(server.app))["tasks"]
     async with httpx.AsyncClient(
-        base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=60)
+        base_url=server.url,
+        timeout=30,
+        limits=httpx.Limits(max_connections=60),
+        event_hooks=USER,
     ) as http:
 
         async def hang_up(i):
@@ -287,7 +290,7 @@ async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_
             + body
         )  # ... and never reads
         try:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
                 await asyncio.sleep(0.5)
                 started = time.monotonic()
                 events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId="971"))
@@ -317,13 +320,26 @@ async def test_redis_down_refuses_new_work_clearly_then_recovers(settings, fake_
     with redis, serve(app) as running:
         redis.stop()
         # redis is gone: a running stream was not there, but new ones are refused clearly
-        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+        async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:
             refused = await http.post("/api/chat/sse", json=chat_body("q"))
-            assert refused.status_code == 503 and "redis" in refused.json()["data"]
-            cancel = await http.post("/api/chat/cancel", json={"chatId": "1"})
+            assert refused.status_code == 503 and refused.json()["key"] == "INTERNAL"
+            assert "registry is unavailable" in refused.json()["data"]
+            assert "127.0.0.1" not in refused.text and "Error" not in refused.text
+            cancel = await http.post("/api/chat/cancel", json={"chatId": "1", "userId": "1"})
             assert cancel.status_code == 503
         redis.start()
-        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+        async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:
+            # Redis came back empty: new work waits (503 + Retry-After) until every owner
+            # has had time to re-assert what it runs
+            async def accepted():
+                ready = await http.get("/readyz")
+                probe = await http.post("/api/chat/sse", json=chat_body("probe #tokens=1"))
+                if probe.status_code == 503:
+                    assert probe.headers["retry-after"].isdigit()
+                    assert "recovering" in probe.json()["data"], probe.text
+                return ready.status_code == 200 and probe.status_code == 200
+
+            await wait_for(accepted, timeout=15)
             async with http.stream(
                 "POST",
                 "/api/chat/sse",
@@ -334,7 +350,7 @@ async def test_redis_down_refuses_new_work_clearly_then_recovers(settings, fake_
                     if isinstance(item, SseEvent) and item.type == "message" and item.data["data"]:
                         break
                 assert (
-                    await http.post("/api/chat/cancel", json={"chatId": "980"})
+                    await http.post("/api/chat/cancel", json={"chatId": "980", "userId": "1"})
                 ).status_code == 200
                 tail = [e async for e in stream if isinstance(e, SseEvent)]
             assert tail[-1].data["status"] == "cancelled"
@@ -344,7 +360,7 @@ async def test_streams_continue_while_redis_restarts(settings, fake_model):
     redis = RedisServer()
     app = create_app(settings.replace(redis={"url": redis.url}, stream={"flush_interval_ms": 10}))
     with redis, serve(app) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
             async with http.stream(
                 "POST",
                 "/api/chat/sse",
@@ -385,7 +401,7 @@ async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_mode
             llm={"base_url": f"http://127.0.0.1:{port}/v1", "connect_timeout_seconds": 0.5}
         )
         with serve(create_app(hanging)) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
                 started = time.monotonic()
                 events = await sse_chat(http, chat_body("q"))
                 elapsed = time.monotonic() - started
@@ -405,7 +421,7 @@ async def test_a_postgres_restart_mid_generation_loses_nothing(settings, fake_mo
     try:
         store_url = new_database(postgres.url)
         with serve(create_app(settings.replace(store={"url": store_url}))) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
                 async with http.stream(
                     "POST",
                     "/api/chat/sse",

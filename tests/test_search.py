@@ -14,6 +14,7 @@ from httpx_ws import aconnect_ws
 
 from app.main import create_app
 from tests.client import chat_body, sse_chat
+from tests.conftest import USER
 from tests.fakes.search import RELEVANT_QUESTION, RESULT_COUNT
 from tests.servers import serve
 
@@ -47,7 +48,7 @@ def searching(settings):
 @contextlib.asynccontextmanager
 async def _running(app):
     with serve(app) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as client:
             yield client
 
 
@@ -69,7 +70,10 @@ async def test_speed_mode_grounds_the_answer_in_snippets(
         "pageContent": "SNIPPET-0 about history of pottery glazes",
     }
     host = client.base_url.host + ":" + str(client.base_url.port)
-    assert sources[-1] == {"metadata": {"title": "All Sources", "url": f"//{host}/sources/301"}}
+    assert sources[-1]["metadata"]["title"] == "All Sources"
+    assert re.fullmatch(
+        f"//{host}/sources/301\\?sig=[0-9a-f]{{32}}", sources[-1]["metadata"]["url"]
+    )
     assert fake_search.queries == [(provider, RELEVANT_QUESTION)]
     assert fake_search.pages_read == []
     prompt = fake_model.last_system_prompt()
@@ -134,7 +138,7 @@ async def test_websocket_gets_the_same_sources(server, fake_model, fake_search):
         while not frames or frames[-1]["type"] not in ("messageEnd", "error"):
             frames.append(orjson.loads(await ws.receive_text()))
     sources = next(f for f in frames if f["type"] == "sources")
-    assert sources["data"][-1]["metadata"]["url"].endswith("/sources/310")
+    assert "/sources/310?sig=" in sources["data"][-1]["metadata"]["url"]
     assert "eventId" in sources
     assert fulltexts(fake_model.last_system_prompt()) == [3]
 
@@ -160,7 +164,7 @@ async def test_public_url_names_the_all_sources_link(searching, fake_model, fake
     async with searching(server={"public_url": "https://search.example.com/"}) as client:
         events = await sse_chat(client, search_body(messageId="330"))
     sources = next(e for e in events if e.type == "sources").data["data"]
-    assert sources[-1]["metadata"]["url"] == "//search.example.com/sources/330"
+    assert sources[-1]["metadata"]["url"].startswith("//search.example.com/sources/330?sig=")
 
 
 @pytest.mark.parametrize(

@@ -207,12 +207,20 @@ async def test_rate_limit_is_shared_across_processes_through_redis(settings, red
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
-async def test_concurrent_generations_per_user_are_capped(settings, fake_model, backend, request):
+async def test_concurrent_generations_are_capped_per_address_with_auth_off(
+    settings, fake_model, backend, request
+):
+    """A claimed userId proves nothing: changing it does not get past the cap, while
+    another client address has a cap of its own."""
     changes = {"limits": {"max_concurrent_generations": 1}}
     if backend == "redis":
         changes["redis"] = {"url": request.getfixturevalue("redis_url")}
     with serve(create_app(settings.replace(**changes))) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+        elsewhere = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=10) as http,
+            httpx.AsyncClient(base_url=server.url, timeout=10, transport=elsewhere) as other,
+        ):
             async with http.stream(
                 "POST",
                 "/api/chat/sse",
@@ -222,10 +230,14 @@ async def test_concurrent_generations_per_user_are_capped(settings, fake_model, 
                 await anext(lines)
                 second = await http.post("/api/chat/sse", json=chat_body("another", chatId="941"))
                 assert second.status_code == 429 and second.json()["key"] == "RATE_LIMITED"
-                other_user = await http.post(
+                renamed = await http.post(
+                    "/api/chat/sse", json={**chat_body("as another", chatId="944"), "userId": "2"}
+                )
+                assert renamed.status_code == 429
+                other_address = await other.post(
                     "/api/chat/sse", json={**chat_body("theirs", chatId="942"), "userId": "2"}
                 )
-                assert other_user.status_code == 200
+                assert other_address.status_code == 200
                 rest = [line async for line in lines]
                 assert any('"status":"completed"' in line for line in rest)
             events = await sse_chat(

@@ -88,9 +88,9 @@ async def test_web_search_sends_progress_and_sources_before_the_answer(
     assert events[0][2] == {"data": f"searching the web: {RELEVANT_QUESTION}"}
     sources = events[1][2]["data"]
     assert len(sources) == 9
-    assert sources[-1] == {
-        "metadata": {"title": "All Sources", "url": "//example.test/sources/201"}
-    }
+    link = sources[-1]["metadata"]
+    assert link["title"] == "All Sources"
+    assert link["url"] == f"//example.test/sources/201?sig={service.sign('201')}"
     assert "SNIPPET-0" in fake_model.last_system_prompt()
 
 

@@ -16,7 +16,7 @@ from httpx_ws import WebSocketDisconnect, aconnect_ws
 from app.main import create_app
 from app.store import open_store
 from tests.client import SseEvent, answer_of, chat_body, iter_sse
-from tests.conftest import new_database, start_postgres, start_redis
+from tests.conftest import USER, new_database, start_postgres, start_redis
 from tests.servers import AppProcess, serve
 
 pytestmark = pytest.mark.anyio
@@ -49,7 +49,7 @@ def metric(text, name, **labels):
 
 async def test_sigterm_cancels_what_outlives_the_grace_and_saves_it(env, fake_model):
     server = AppProcess(env).start()
-    async with httpx.AsyncClient(timeout=20) as http:
+    async with httpx.AsyncClient(timeout=20, event_hooks=USER) as http:
         async with http.stream(
             "POST",
             server.url + "/api/chat/sse",
@@ -85,7 +85,7 @@ async def test_sigterm_cancels_what_outlives_the_grace_and_saves_it(env, fake_mo
 
 async def test_sigterm_lets_a_generation_finish_within_the_grace(env, fake_model):
     server = AppProcess({**env, "SERVER_SHUTDOWN_GRACE_SECONDS": "5"}).start()
-    async with httpx.AsyncClient(timeout=20) as http:
+    async with httpx.AsyncClient(timeout=20, event_hooks=USER) as http:
         async with http.stream(
             "POST",
             server.url + "/api/chat/sse",
@@ -106,7 +106,7 @@ async def test_sigterm_lets_a_generation_finish_within_the_grace(env, fake_model
 async def test_sigterm_ends_websocket_streams_then_closes_with_1001(env, fake_model):
     server = AppProcess(env).start()
     async with (
-        httpx.AsyncClient(timeout=20) as http,
+        httpx.AsyncClient(timeout=20, event_hooks=USER) as http,
         aconnect_ws(server.ws_url + "/api/chat/ws", http) as ws,
     ):
         await ws.receive_text()
@@ -140,10 +140,12 @@ async def test_readyz_names_a_redis_that_is_down(settings, fake_model):
             running = stack.enter_context(
                 serve(create_app(settings.replace(redis={"url": redis_url})))
             )
-            async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            async with httpx.AsyncClient(
+                base_url=running.url, timeout=10, event_hooks=USER
+            ) as http:
                 assert (await http.get("/readyz")).status_code == 200
         # redis has stopped
-        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=running.url, timeout=10, event_hooks=USER) as http:
             ready = await http.get("/readyz")
             assert ready.status_code == 503
             assert list(ready.json()["failing"]) == ["redis"]
@@ -155,10 +157,12 @@ async def test_readyz_names_a_postgres_that_is_down(settings, fake_model):
         with start_postgres() as pg:
             app = create_app(settings.replace(store={"url": new_database(pg)}))
             running = stack.enter_context(serve(app))
-            async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            async with httpx.AsyncClient(
+                base_url=running.url, timeout=10, event_hooks=USER
+            ) as http:
                 assert (await http.get("/readyz")).status_code == 200
         # postgres has stopped
-        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=running.url, timeout=10, event_hooks=USER) as http:
             ready = await http.get("/readyz")
             assert ready.status_code == 503
             assert list(ready.json()["failing"]) == ["store"]
@@ -177,7 +181,9 @@ async def test_metrics_count_completed_and_cancelled_generations(client, fake_mo
         async for item in stream:
             if isinstance(item, SseEvent) and item.type == "message" and item.data["data"]:
                 break
-        assert (await client.post("/api/chat/cancel", json={"chatId": "611"})).status_code == 200
+        assert (
+            await client.post("/api/chat/cancel", json={"chatId": "611", "userId": "1"})
+        ).status_code == 200
         [e async for e in stream]
     await client.post("/api/chat/sse", json={"message": {"content": ""}})
     text = (await client.get("/metrics")).text
@@ -207,7 +213,7 @@ async def test_two_workers_share_postgres_and_redis(
     }
     server = AppProcess(env).start()
     try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
             for _ in range(50):  # both workers up
                 if (await http.get("/readyz")).status_code == 200:
                     break

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 
 import pytest
 
-from app.store import Chat, StoredMessage, open_store
+from app.errors import Conflict, Forbidden, Unavailable
+from app.store import Chat, Saved, StoredMessage, open_store
+from app.store.postgres import MIGRATIONS as PG_MIGRATIONS
+from app.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
+from tests.conftest import asyncio_run_in_thread
 
 pytestmark = pytest.mark.anyio
 
@@ -25,79 +30,144 @@ async def store(store_url):
         yield opened
 
 
-def chat(id="1", user="7", at=None, title="t"):
+def chat(id="c1", user="u7", at=None, title="t"):
     return Chat(id, user, title, "webSearch", at or time.time())
 
 
-def message(id, chat_id="1", role="user", at=None, **kw):
+def message(id, chat_id="c1", role="user", at=None, **kw):
     return StoredMessage(
         id, chat_id, role, kw.pop("content", f"text {id}"), at or time.time(), **kw
     )
 
 
-async def test_chats_are_created_once_listed_newest_first_and_deleted(store):
-    assert await store.create_chat(chat("1", at=100.0))
-    assert not await store.create_chat(chat("1", at=101.0, title="again"))
-    await store.create_chat(chat("2", at=200.0))
-    await store.create_chat(chat("3", user="8", at=300.0))
-    assert [c.id for c in await store.list_chats("7")] == ["2", "1"]
-    assert [c.id for c in await store.list_chats("7", limit=1)] == ["2"]
-    got = await store.get_chat("1")
+def answer(id, question, at, chat_id="c1"):
+    return message(id, chat_id, "assistant", at, content="", status="streaming", reply_to=question)
+
+
+async def ask(store, chat_id, question_id, answer_id, at, user="u7"):
+    return await store.begin_answer(
+        chat(chat_id, user, at),
+        message(question_id, chat_id, at=at),
+        answer(answer_id, question_id, at + 0.000001, chat_id),
+    )
+
+
+async def test_a_question_creates_its_chat_once_and_chats_list_newest_first(store):
+    assert await ask(store, "c1", "q1", "a1", 100.0)
+    assert not await ask(store, "c1", "q2", "a2", 101.0)  # the chat exists
+    await ask(store, "c2", "q3", "a3", 200.0)
+    await ask(store, "c3", "q4", "a4", 300.0, user="u8")
+    assert [c.id for c in await store.list_chats("u7")] == ["c2", "c1"]
+    assert [c.id for c in await store.list_chats("u7", limit=1)] == ["c2"]
+    got = await store.get_chat("c1")
     assert (got.id, got.user_id, got.title, got.focus_mode, got.created_at) == (
-        "1",
-        "7",
+        "c1",
+        "u7",
         "t",
         "webSearch",
         100.0,
     )
-    await store.set_title("1", "New title")
-    assert (await store.get_chat("1")).title == "New title"
-    await store.add_messages([message("10", "1")])
-    assert await store.delete_chat("1")
-    assert not await store.delete_chat("1")
-    assert await store.get_chat("1") is None
-    assert await store.get_message("10") is None
+    await store.set_title("c1", "New title")
+    assert (await store.get_chat("c1")).title == "New title"
+    assert await store.delete_chat("c1")
+    assert not await store.delete_chat("c1")
+    assert await store.get_chat("c1") is None
+    assert await store.get_message("q1") is None
     assert await store.get_chat("999") is None
 
 
-async def test_messages_keep_order_status_reasoning_rewrite_and_sources(store):
-    await store.create_chat(chat("1"))
-    big = 2**63 - 1
-    q = message(str(big), role="user", at=10.0, rewritten="standalone?")
-    a = message("12", role="assistant", at=10.0, status="streaming", reply_to=str(big))
-    await store.add_messages([a, q, message("5", at=5.0)])
-    sources = [{"metadata": {"title": "T", "url": "https://x/ü"}, "pageContent": "snippet \u2603"}]
-    await store.set_sources(str(big), sources)
-    await store.finish_message("12", content="answer", reasoning="because", status="cancelled")
-    listed = await store.list_messages("1")
-    assert [m.id for m in listed] == ["5", "12", str(big)]  # by time, then id
-    question = await store.get_message(str(big))
+async def test_a_taken_message_id_is_a_conflict_and_writes_nothing(store):
+    await ask(store, "c1", "q1", "a1", 100.0)
+    with pytest.raises(Conflict, match="already used"):
+        await ask(store, "c9", "q1", "a9", 101.0)  # the same question id, another chat
+    assert await store.get_chat("c9") is None  # rolled back with it
+    assert await store.get_message("a9") is None
+
+
+async def test_posting_into_another_users_chat_is_forbidden(store):
+    await ask(store, "c1", "q1", "a1", 100.0)
+    with pytest.raises(Forbidden):
+        await ask(store, "c1", "q2", "a2", 101.0, user="u8")
+    assert await store.get_message("q2") is None
+
+
+async def test_same_question_sent_twice_at_once_starts_one_answer(store):
+    results = await asyncio.gather(
+        ask(store, "c1", "q1", "a1", 100.0),
+        ask(store, "c2", "q1", "a2", 100.0),
+        return_exceptions=True,
+    )
+    assert sorted(type(r).__name__ for r in results) == ["Conflict", "bool"]
+
+
+async def test_finishing_saves_text_status_rewrite_and_sources(store):
+    await ask(store, "c1", "q1", "a1", 10.0)
+    sources = [{"metadata": {"title": "T", "url": "https://x/ü"}, "pageContent": "snippet ☃"}]
+    await store.set_sources("q1", sources[:0])
+    saved = Saved("answer", "because", "cancelled", "q1", rewritten="standalone?", sources=sources)
+    assert await store.finish_answer("a1", saved)
+    question, ans = await store.list_messages("c1")
     assert (question.rewritten, question.sources, question.role) == ("standalone?", sources, "user")
-    answer = listed[1]
-    assert (answer.content, answer.reasoning, answer.status, answer.reply_to) == (
+    assert (ans.content, ans.reasoning, ans.status, ans.reply_to) == (
         "answer",
         "because",
         "cancelled",
-        str(big),
+        "q1",
     )
-    assert (await store.get_message("5")).sources == []
+    # a sweeper never overwrites what its owner saved
+    assert not await store.finish_answer("a1", Saved("", "", "failed"), only_streaming=True)
+    assert (await store.get_message("a1")).status == "cancelled"
 
 
-async def test_several_messages_in_one_call(store):
-    await store.create_chat(chat("1"))
-    await store.add_messages([message("21", at=1.0, content="already there")])
-    await store.add_messages(
-        [message("21", at=2.0, content="ignored"), message("22", at=3.0, role="assistant")]
+async def test_streaming_answers_are_found_for_the_sweeper(store):
+    await ask(store, "c1", "q1", "a1", 10.0)
+    await ask(store, "c2", "q2", "a2", 20.0)
+    await store.finish_answer("a2", Saved("done", "", "completed"))
+    assert [m.id for m in await store.streaming_answers(created_before=15.0)] == ["a1"]
+    assert [m.id for m in await store.streaming_answers(created_before=5.0)] == []
+
+
+async def test_regenerate_deletes_the_answer_and_everything_after(store):
+    await ask(store, "c1", "q1", "a1", 10.0)
+    await ask(store, "c1", "q2", "a2", 20.0)
+    await ask(store, "c1", "q3", "a3", 30.0)
+    q2 = await store.get_message("q2")
+    await store.begin_answer(
+        await store.get_chat("c1"), q2, answer("a2b", "q2", 40.0), regenerate=True
     )
-    listed = await store.list_messages("1")
-    assert [(m.id, m.content) for m in listed] == [("21", "already there"), ("22", "text 22")]
+    assert [m.id for m in await store.list_messages("c1")] == ["q1", "a1", "q2", "a2b"]
+
+
+async def test_worker_numbers_are_leased_one_per_process(store):
+    leased = [await store.lease_worker(f"p{i}", ttl=30, workers=8) for i in range(8)]
+    assert sorted(leased) == list(range(8))
+    with pytest.raises(Unavailable):
+        await store.lease_worker("p9", ttl=30, workers=8)
+    assert await store.renew_worker(leased[0], "p0", ttl=30)
+    assert not await store.renew_worker(leased[0], "someone else", ttl=30)
+    await store.release_worker(leased[3], "p3")
+    assert await store.lease_worker("p9", ttl=30, workers=8) == leased[3]
+
+
+async def test_an_expired_lease_is_taken_over(store):
+    first = await store.lease_worker("old", ttl=0.01, workers=1)
+    await asyncio.sleep(0.05)
+    assert await store.lease_worker("new", ttl=30, workers=1) == first
+    assert not await store.renew_worker(first, "old", ttl=30)
+
+
+async def test_a_secret_is_made_once_and_shared(store_url):
+    async with open_store(store_url) as one, open_store(store_url) as two:
+        value = await one.secret("links")
+        assert len(value) == 64 and await two.secret("links") == value
+        assert await one.secret("other") != value
 
 
 async def test_reopening_runs_no_migration_twice(store_url):
     async with open_store(store_url) as first:
-        await first.create_chat(chat("1"))
+        await ask(first, "c1", "q1", "a1", 1.0)
     async with open_store(store_url) as second:  # re-run on an up-to-date schema
-        assert (await second.get_chat("1")).id == "1"
+        assert (await second.get_chat("c1")).id == "c1"
         await second.ping()
 
 
@@ -105,10 +175,81 @@ async def test_concurrent_starts_share_one_schema(store_url):
     stores = [open_store(store_url) for _ in range(4)]
     await asyncio.gather(*(s.open() for s in stores))
     try:
-        await asyncio.gather(*(s.create_chat(chat(str(i + 1))) for i, s in enumerate(stores)))
-        assert len(await stores[0].list_chats("7")) == 4
+        await asyncio.gather(
+            *(ask(s, f"c{i}", f"q{i}", f"a{i}", float(i)) for i, s in enumerate(stores))
+        )
+        assert len(await stores[0].list_chats("u7")) == 4
     finally:
         await asyncio.gather(*(s.close() for s in stores))
+
+
+async def test_a_database_of_the_first_schema_is_upgraded_with_its_chats(store_url, tmp_path):
+    """Integer ids of the first schema become their decimal text, and nothing is lost."""
+    if store_url.startswith("sqlite"):
+        path = store_url.removeprefix("sqlite:///")
+        db = sqlite3.connect(path)
+        db.executescript(SQLITE_MIGRATIONS[0])
+        db.execute("PRAGMA user_version=1")
+        _first_schema_rows(db.execute)
+        db.commit()
+        db.close()
+    else:
+        asyncio_run_in_thread(_first_schema_postgres(store_url))
+    async with open_store(store_url) as upgraded:
+        (got,) = await upgraded.list_chats("7")
+        assert (got.id, got.user_id, got.title) == ("7138337258229764", "7", "old chat")
+        messages = await upgraded.list_messages("7138337258229764")
+        assert [(m.id, m.role, m.content, m.reply_to) for m in messages] == [
+            ("71383373052067817", "user", "old question", None),
+            ("493612582016638976", "assistant", "old answer", "71383373052067817"),
+        ]
+        # and new, opaque ids go in beside them
+        await ask(upgraded, "7138337258229764", "deadbeef", "cafe", 3.0, user="7")
+        assert len(await upgraded.list_messages("7138337258229764")) == 4
+
+
+FIRST_SCHEMA_ROWS = [
+    ("INSERT INTO chats VALUES (7138337258229764, 7, 'old chat', 'webSearch', 1.0)", ()),
+    (
+        "INSERT INTO messages (id, chat_id, role, content, status, created_at)"
+        " VALUES (71383373052067817, 7138337258229764, 'user', 'old question', 'completed', 1.0)",
+        (),
+    ),
+    (
+        "INSERT INTO messages (id, chat_id, role, content, status, reply_to, created_at)"
+        " VALUES (493612582016638976, 7138337258229764, 'assistant', 'old answer',"
+        " 'completed', 71383373052067817, 2.0)",
+        (),
+    ),
+]
+
+
+def _first_schema_rows(execute):
+    for sql, params in FIRST_SCHEMA_ROWS:
+        execute(sql, params)
+
+
+async def _first_schema_postgres(url):
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(PG_MIGRATIONS[0])
+        await conn.execute(
+            "CREATE TABLE schema_migrations ("
+            " version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+        await conn.execute("INSERT INTO schema_migrations (version) VALUES (1)")
+        for sql, _ in FIRST_SCHEMA_ROWS:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def test_an_unreachable_store_is_unavailable_not_a_driver_error(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path}/x.db")
+    with pytest.raises(Unavailable, match="store is unavailable"):
+        await store.get_chat("c1")  # never opened
 
 
 def test_unknown_store_scheme_is_refused():

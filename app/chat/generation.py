@@ -16,12 +16,12 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from ..errors import AppError, StreamError
+from ..errors import AppError, StreamError, Unavailable
 from ..llm import Message
 from ..protocol import ChatRequest
 from ..search.base import SearchResult
 from ..search.web import context_of, source_entries
-from ..store import Chat, StoredMessage
+from ..store import Saved
 from ..streams import Handle, LogWriter
 from .modes import MODES, PLAIN_PROMPT, SourceJob
 
@@ -32,7 +32,6 @@ log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
-STORE_RETRY_DELAYS = (0.2, 0.5, 1.0, None)  # then give up and say so
 TITLE_MAX_CHARS = 80
 
 
@@ -44,20 +43,19 @@ class Generation:
         service: ChatService,
         request: ChatRequest,
         handle: Handle,
-        chat: Chat | None,
+        *,
+        new_chat: bool,
         out: LogWriter,
     ) -> None:
         self.service = service
         self.request = request
         self.handle = handle
-        self.chat = chat
-        self.new_chat = chat is None
+        self.new_chat = new_chat
         self.out = out
-        self.needs_title = False
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.answer_saved = False
         self.rewritten: str | None = None
+        self.unsaved_sources: list[dict[str, object]] | None = None
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
         self.work = asyncio.get_running_loop().create_task(
@@ -69,30 +67,31 @@ class Generation:
         self.work.cancel()
 
     async def run(self) -> None:
-        """Wait for the body, then save and end the stream. Cancelling `run()` itself
-        (the loop shutting down) cancels the body, still saves, and re-raises."""
-        self.service.metrics.generations_active.inc()
-        timed_out = interrupted = False
+        """Wait for the body (at most `llm.timeout_seconds`), then save and end the
+        stream — in a task of its own that a cancel of `run()` (the loop shutting
+        down, cancelled twice even) cannot interrupt: the body is cancelled, the
+        answer still saved and the terminal event still written."""
+        metrics = self.service.metrics
+        metrics.generations_active.inc()
+        deadline = asyncio.timeout(self.service.settings.llm.timeout_seconds)
         try:
-            async with asyncio.timeout(self.service.settings.llm.timeout_seconds):
+            async with deadline:
                 await asyncio.wait([self.work])
         except TimeoutError:
-            timed_out = True
-        except asyncio.CancelledError:
-            interrupted = True
-        if not self.work.done():
-            self.work.cancel()
-            await asyncio.wait([self.work])
-        error = self._outcome()
-        if timed_out and error is None:
-            error = StreamError("the answer did not finish within llm.timeout_seconds")
-        status = "cancelled" if self.work.cancelled() else "completed"
-        try:
-            await asyncio.shield(self._finish(status, error))
+            pass
         finally:
-            self.service.metrics.generations_active.dec()
-        if interrupted:
-            raise asyncio.CancelledError
+            self.work.cancel()  # nothing when it has ended
+            ending = asyncio.ensure_future(self._end(timed_out=deadline.expired()))
+            ending.add_done_callback(_log_failure)
+            ending.add_done_callback(lambda _: metrics.generations_active.dec())
+            await asyncio.shield(ending)
+
+    async def _end(self, *, timed_out: bool) -> None:
+        await asyncio.wait([self.work])
+        error = self._outcome()
+        if timed_out and self.work.cancelled():
+            error = StreamError("the answer did not finish within llm.timeout_seconds")
+        await self._finish("cancelled" if self.work.cancelled() else "completed", error)
 
     def _outcome(self) -> AppError | None:
         """The body's error, if it failed."""
@@ -102,22 +101,20 @@ class Generation:
         if exc is None or isinstance(exc, AppError):
             return exc
         log.error("generation %s failed", self.handle.answer_id, exc_info=exc)
-        return AppError(f"internal error: {type(exc).__name__}")
+        return AppError("internal error")
 
     async def _generate(self) -> None:
         svc, req = self.service, self.request
-        await self._save_chat()
         if req.history is not None:
             history = list(req.history)
         elif self.new_chat:
             history = []  # nothing to read back
         else:
-            history = await svc.stored_history(self.handle.chat_id)
+            history = await svc.stored_history(self.handle.chat_id, before=self.handle.question_id)
         if len(req.content) > REWRITE_MIN_CHARS or history:
             self.rewritten = await svc.rewrite(req.content, history)
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
-        await self._save_question("streaming")
 
         system = await self._system_prompt(self.rewritten or req.content)
         messages: list[Message] = [{"role": "system", "content": system}]
@@ -142,37 +139,6 @@ class Generation:
             else:
                 self.out.keepalive()
 
-    async def _save_chat(self) -> None:
-        if self.chat is not None:
-            return
-        svc, req, h = self.service, self.request, self.handle
-        title = req.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
-        self.chat = Chat(h.chat_id, h.user_id, title, req.focus_mode, time.time())
-        # the small model names the chat once the answer is out, not while it starts
-        self.needs_title = await svc.store.create_chat(self.chat)
-
-    async def _save_question(self, answer_status: str) -> None:
-        """Save the question and the answer's row (once; also when cancelled early)."""
-        if self.answer_saved:
-            return
-        req, h = self.request, self.handle
-        now = time.time()
-        question = StoredMessage(
-            h.question_id, h.chat_id, "user", req.content, now, rewritten=self.rewritten
-        )
-        # after its question, whatever the ids (clients may pick them)
-        answer = StoredMessage(
-            h.answer_id,
-            h.chat_id,
-            "assistant",
-            "",
-            now + 0.000001,
-            status=answer_status,
-            reply_to=h.question_id,
-        )
-        await self.service.store.add_messages([question, answer])
-        self.answer_saved = True
-
     async def _system_prompt(self, question: str) -> str:
         svc, req = self.service, self.request
         mode = MODES[req.focus_mode]
@@ -190,38 +156,37 @@ class Generation:
         return svc.prompts.render(mode.prompt, date=date, context=context_of(results))
 
     async def _send_sources(self, results: list[SearchResult]) -> None:
-        """Save the sources on the question, then send them with the "All Sources" link."""
+        """Save the sources on the question, then send them with the "All Sources" link.
+        A store that is away does not stop the answer: they are saved with it."""
         svc, h = self.service, self.handle
         entries = source_entries(results)
-        await svc.store.set_sources(h.question_id, entries)
+        try:
+            await svc.store.set_sources(h.question_id, entries)
+        except Unavailable:
+            self.unsaved_sources = entries
         host = svc.public_host(self.request.host)
-        all_sources = {
-            "metadata": {"title": "All Sources", "url": f"//{host}/sources/{h.question_id}"}
-        }
+        link = f"//{host}/sources/{h.question_id}?sig={svc.sign(h.question_id)}"
+        all_sources = {"metadata": {"title": "All Sources", "url": link}}
         self.out.emit("sources", data=[*entries, all_sources])
 
     async def _finish(self, status: str, error: AppError | None) -> None:
+        """Save the answer, then end the stream. A store that is away does not hold the
+        client up: the client gets its usual end, and the service saves the answer as
+        soon as the store is back (the events stay in the log meanwhile)."""
         svc, h = self.service, self.handle
         final = status if error is None else "failed"
-        for delay in STORE_RETRY_DELAYS:
-            try:
-                await self._save_chat()
-                await self._save_question(final)
-                await svc.store.finish_message(
-                    h.answer_id,
-                    content="".join(self.content),
-                    reasoning="".join(self.reasoning),
-                    status=final,
-                )
-                break
-            except Exception as exc:  # any store failure: retry briefly, then report it
-                if delay is None:
-                    log.exception("saving answer %s failed", h.answer_id)
-                    if error is None:
-                        error = AppError("the answer could not be saved")
-                else:
-                    log.warning("saving answer %s failed (%r); retrying", h.answer_id, exc)
-                    await asyncio.sleep(delay)
+        saved = Saved(
+            content="".join(self.content),
+            reasoning="".join(self.reasoning),
+            status=final,
+            question_id=h.question_id,
+            rewritten=self.rewritten,
+            sources=self.unsaved_sources,
+        )
+        try:
+            await svc.store.finish_answer(h.answer_id, saved)
+        except Unavailable:
+            svc.save_later(h.answer_id, saved)
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
             svc.metrics.errors.labels(error.key).inc()
@@ -229,7 +194,7 @@ class Generation:
             terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
         await svc.hub.finish(h, terminal)
         self._record(final, error)
-        if self.needs_title:
+        if self.new_chat:
             svc.spawn(svc.make_title(h.chat_id, self.request.content))
 
     def _record(self, status: str, error: AppError | None) -> None:
@@ -261,3 +226,8 @@ class Generation:
                 }
             },
         )
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("ending a generation failed", exc_info=task.exception())

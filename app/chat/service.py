@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ..config import Settings
-from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound
+from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
 from ..ids import Snowflake
 from ..llm import LLMClient
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
 from ..protocol import ChatRequest, Encoder, Event, parse_event_id
 from ..search.web import WebSearch
-from ..store import Chat, Store, StoredMessage
+from ..store import Chat, Saved, Store, StoredMessage
+from ..store.base import taken
 from ..streams import Handle, LogWriter, StreamHub
 from .generation import TITLE_MAX_CHARS, Generation
 from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
+
+SWEEP_GRACE = 2.0  # seconds an answer row exists before a sweeper looks at it
 
 Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
 HISTORY_MESSAGES = 20
@@ -65,15 +71,26 @@ class ChatService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
         self._runs: set[asyncio.Task[None]] = set()
+        self._unsaved: dict[str, Saved] = {}
+        self._saver: asyncio.Task[Any] | None = None
+        self.sweep_interval = min(2.0, settings.stream.handle_ttl_seconds / 3)
+        self._link_key = b""
         self.accepting = True
-        hub.on_lost = self._close_lost
 
     # -- generations -------------------------------------------------------------
 
     async def start(self, request: ChatRequest) -> Handle:
-        """Begin a generation; returns once it runs. Raises `AppError` (nothing started)."""
+        """Begin a generation; returns once its question is saved and its task started.
+
+        In order: the chat's owner is checked, the chat is claimed in the registry
+        (`Conflict` while it runs a generation, `RateLimited` past the cap), then
+        the question and the answer's row are saved in one transaction — the
+        store's unique key makes a `messageId` sent twice at once (a double click,
+        two processes) start one answer, and `Conflict` the other. Raises
+        `AppError`; then nothing was started.
+        """
         if not self.accepting:
-            raise AppError("the server is shutting down", status=503)
+            raise Unavailable("the server is shutting down")
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         chat_id = request.chat_id or self.ids.next_str()
@@ -82,7 +99,7 @@ class ChatService:
         if chat is not None:
             self.authorize(chat.user_id, request.user_id)
         if request.message_id and await self.store.get_message(question_id):
-            raise BadRequest("message.messageId is already used")
+            raise taken("message.messageId")
         handle = Handle(
             chat_id=chat_id,
             answer_id=self.ids.next_str(),
@@ -93,9 +110,30 @@ class ChatService:
         log_ = await self.hub.register(
             handle,
             functools.partial(self._cancel_here, handle.answer_id),
-            max_per_user=self.settings.limits.max_concurrent_generations,
+            cap_key=request.cap_key or f"user:{request.user_id}",
+            max_running=self.settings.limits.max_concurrent_generations,
         )
-        generation = Generation(self, request, handle, chat, LogWriter(log_))
+        now = time.time()
+        title = request.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
+        try:
+            created = await self.store.begin_answer(
+                chat or Chat(chat_id, request.user_id, title, request.focus_mode, now),
+                StoredMessage(question_id, chat_id, "user", request.content, now),
+                # after its question, whatever the ids (clients may pick them)
+                StoredMessage(
+                    handle.answer_id,
+                    chat_id,
+                    "assistant",
+                    "",
+                    now + 0.000001,
+                    status="streaming",
+                    reply_to=question_id,
+                ),
+            )
+        except BaseException:
+            await self.hub.abandon(handle)
+            raise
+        generation = Generation(self, request, handle, new_chat=created, out=LogWriter(log_))
         self._generations[handle.answer_id] = generation
         run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
         self._runs.add(run)
@@ -116,16 +154,26 @@ class ChatService:
         if first is not None:
             yield first
         cap = max(1, self.settings.stream.max_queue_events)
-        async for batch in self.hub.subscribe(handle, after_seq):
-            for start in range(0, len(batch), cap):
-                part = batch[start : start + cap] if len(batch) > cap else batch
-                chunk = encoder.encode(part)
-                sent.inc(len(part))
-                if chunk is not None:
-                    yield chunk
+        seq = after_seq
+        try:
+            async for batch in self.hub.subscribe(handle, after_seq):
+                seq = batch[-1].seq or seq
+                for start in range(0, len(batch), cap):
+                    part = batch[start : start + cap] if len(batch) > cap else batch
+                    chunk = encoder.encode(part)
+                    sent.inc(len(part))
+                    if chunk is not None:
+                        yield chunk
+        except AppError as exc:  # the registry failed under us: still end with an event
+            data = {"key": exc.key, "data": exc.message}
+            chunk = encoder.encode(
+                [Event("error", handle.chat_id, handle.answer_id, data, seq + 1)]
+            )
+            if chunk is not None:
+                yield chunk
 
     async def find_resumable(
-        self, chat_id: str | None, user_id: str | None, last_event_id: str | None
+        self, chat_id: str | None, user_id: str, last_event_id: str | None
     ) -> tuple[Handle, int]:
         """The generation to resume and the seq to resume after. NotFound / Forbidden."""
         answer_id, seq = parse_event_id(last_event_id)
@@ -145,7 +193,7 @@ class ChatService:
         self.metrics.resumes.inc()
         return handle, seq
 
-    async def cancel(self, chat_id: str, user_id: str | None) -> Handle:
+    async def cancel(self, chat_id: str, user_id: str) -> Handle:
         """Stop the generation running for `chat_id`, wherever it runs."""
         handle = await self.hub.lookup(chat_id)
         if handle is None:
@@ -158,6 +206,8 @@ class ChatService:
     def _ended(self, answer_id: str, run: asyncio.Task[None]) -> None:
         self._runs.discard(run)
         self._generations.pop(answer_id, None)
+        if not run.cancelled() and run.exception() is not None:
+            log.error("generation %s failed", answer_id, exc_info=run.exception())
 
     def _cancel_here(self, answer_id: str) -> None:
         """The hub's call when a cancel for a generation of this process arrives."""
@@ -168,16 +218,24 @@ class ChatService:
     # -- chats ------------------------------------------------------------------------
 
     @staticmethod
-    def authorize(owner: str, user: str | None) -> None:
-        """The one ownership rule: only a chat's owner may act on it. Forbidden otherwise."""
-        if user is not None and owner != user:
+    def authorize(owner: str, user: str) -> None:
+        """The one ownership rule (PROTOCOL §7): only a chat's owner may act on it —
+        read, delete, cancel, resume, sources, regenerate, post into it. Forbidden
+        otherwise."""
+        if owner != user:
             raise Forbidden("this chat belongs to another user")
+
+    def sign(self, question_id: str) -> str:
+        """The signature of a question's sources link: a capability to open those
+        sources, and nothing else, without a key."""
+        digest = hmac.new(self._link_key, question_id.encode(), hashlib.sha256)
+        return digest.hexdigest()[:32]
 
     async def list_chats(self, user_id: str) -> list[Chat]:
         """The user's chats, newest first."""
         return await self.store.list_chats(user_id)
 
-    async def owned_chat(self, chat_id: str, user_id: str | None) -> Chat:
+    async def owned_chat(self, chat_id: str, user_id: str) -> Chat:
         """A chat its user may act on. NotFound / Forbidden."""
         chat = await self.store.get_chat(chat_id)
         if chat is None:
@@ -185,48 +243,42 @@ class ChatService:
         self.authorize(chat.user_id, user_id)
         return chat
 
-    async def open_chat(
-        self, chat_id: str, user_id: str | None
-    ) -> tuple[Chat, list[StoredMessage]]:
+    async def open_chat(self, chat_id: str, user_id: str) -> tuple[Chat, list[StoredMessage]]:
         """A chat and its messages in order."""
         chat = await self.owned_chat(chat_id, user_id)
         return chat, await self.store.list_messages(chat.id)
 
-    async def delete_chat(self, chat_id: str, user_id: str | None) -> None:
+    async def delete_chat(self, chat_id: str, user_id: str) -> None:
         """Delete a chat and its messages; Conflict while it generates."""
         chat = await self.owned_chat(chat_id, user_id)
         if await self.hub.lookup(chat.id) is not None:
             raise Conflict("a generation is running for this chat: cancel it first")
         await self.store.delete_chat(chat.id)
 
-    async def question_sources(self, question_id: str, user_id: str | None) -> StoredMessage:
-        """A question with its saved sources. NotFound / Forbidden."""
+    async def question_sources(
+        self, question_id: str, user_id: str, sig: str | None = None
+    ) -> StoredMessage:
+        """A question with its saved sources, for its owner or for a signed link
+        (`sig`, see `sign`). NotFound / Forbidden."""
+        if sig is not None and not hmac.compare_digest(sig, self.sign(question_id)):
+            raise Forbidden("this sources link is not valid")
         message = await self.store.get_message(question_id)
         if message is None or message.role != "user":
             raise NotFound("no such question")
-        if user_id is not None:
+        if sig is None:
             chat = await self.store.get_chat(message.chat_id)
             if chat is None:
                 raise NotFound("no such question")
             self.authorize(chat.user_id, user_id)
         return message
 
-    async def suggestions(
-        self,
-        user_id: str | None,
-        *,
-        chat_id: str | None = None,
-        history: Sequence[tuple[str, str]] | None = None,
-    ) -> list[str]:
-        """3 to 5 follow-up questions for a conversation (small model): the given
-        `history`, else the stored one of `chat_id`."""
-        if history is None:
-            if chat_id is None:
-                raise BadRequest("send chatId or history")
-            await self.owned_chat(chat_id, user_id)
-            history = await self.stored_history(chat_id)
-        if not history:
-            raise BadRequest("there is no conversation to suggest from")
+    async def chat_history(self, chat_id: str, user_id: str) -> list[tuple[str, str]]:
+        """The stored conversation of a chat its user may read."""
+        await self.owned_chat(chat_id, user_id)
+        return await self.stored_history(chat_id)
+
+    async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
+        """3 to 5 follow-up questions for a conversation (small model)."""
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         prompt = self.prompts.render(
@@ -235,19 +287,22 @@ class ChatService:
         text = await self.llm.complete([{"role": "user", "content": prompt}])
         return answer_lines(text)[:5]
 
-    async def stored_history(self, chat_id: str) -> list[tuple[str, str]]:
-        messages = await self.store.list_messages(chat_id)
-        pairs = [
-            (m.role, m.content)
-            for m in messages
-            if m.content and (m.role == "user" or m.status in ("completed", "cancelled"))
-        ]
+    async def stored_history(
+        self, chat_id: str, before: str | None = None
+    ) -> list[tuple[str, str]]:
+        """The chat's last turns as (role, text), up to the message `before` (excluded)."""
+        pairs = []
+        for m in await self.store.list_messages(chat_id):
+            if m.id == before:
+                break
+            if m.content and (m.role == "user" or m.status in ("completed", "cancelled")):
+                pairs.append((m.role, m.content))
         return pairs[-HISTORY_MESSAGES:]
 
     async def health(self) -> dict[str, str]:
         """The backends that do not answer, with why (empty when all do)."""
         failing = {}
-        for name, backend in (("store", self.store), ("redis", self.hub)):
+        for name, backend in (("store", self.store), (self.hub.name, self.hub)):
             try:
                 await backend.ping()
             except Exception as exc:  # any failure means "not ready"; say which
@@ -261,16 +316,61 @@ class ChatService:
             return public.split("://", 1)[-1].rstrip("/")
         return request_host or "127.0.0.1"
 
-    async def _close_lost(self, handle: Handle, logged: list[Event]) -> None:
-        """Save what a generation whose process died had logged, as `failed` (once)."""
-        answer = await self.store.get_message(handle.answer_id)
-        if answer is None or answer.status != "streaming":
-            return
-        content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
-        reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
-        await self.store.finish_message(
-            handle.answer_id, content=content, reasoning=reasoning, status="failed"
-        )
+    # -- answers nobody will finish, and answers the store could not take -------------------
+
+    async def sweep(self) -> int:
+        """Close the answers left `streaming` by a process that died (a kill -9): each is
+        saved with what its log holds — what a resuming client ends with — as
+        `failed` (or as its logged end said). One process of the deployment sweeps
+        at a time; returns how many it closed."""
+        if not await self.hub.lead("sweeper", ttl=self.sweep_interval * 3):
+            return 0
+        closed = 0
+        for answer in await self.store.streaming_answers(time.time() - SWEEP_GRACE):
+            if answer.id in self._generations or answer.id in self._unsaved:
+                continue
+            if await self.hub.state(answer.chat_id, answer.id) != "gone":
+                continue
+            logged = await self.hub.logged(answer.id)
+            saved = saved_from(logged, fallback=answer)
+            if await self.store.finish_answer(answer.id, saved, only_streaming=True):
+                closed += 1
+                log.info("closed orphaned answer %s as %s", answer.id, saved.status)
+        return closed
+
+    async def _sweeper(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except AppError as exc:
+                log.info("sweep skipped: %s", exc.message)
+            await asyncio.sleep(self.sweep_interval)
+
+    def save_later(self, answer_id: str, saved: Saved) -> None:
+        """Keep saving an ended answer until the store takes it."""
+        log.warning("answer %s could not be saved yet; retrying until the store is back", answer_id)
+        self._unsaved[answer_id] = saved
+        if self._saver is None or self._saver.done():
+            self._saver = self.spawn(self._save_pending())
+
+    async def _save_pending(self) -> None:
+        delay = 0.2
+        while self._unsaved:
+            await asyncio.sleep(delay)
+            for answer_id, saved in list(self._unsaved.items()):
+                try:
+                    await self.store.finish_answer(answer_id, saved)
+                except Unavailable:
+                    delay = min(delay * 2, 5.0)
+                    break
+                del self._unsaved[answer_id]
+                log.info("answer %s saved after the store came back", answer_id)
+
+    async def open(self) -> None:
+        """Load what the deployment shares (the link key) and start the background
+        chores (the sweeper, which first closes what a crash left)."""
+        self._link_key = (await self.store.secret("sources-links")).encode()
+        self.spawn(self._sweeper())
 
     def running(self) -> int:
         return len(self._generations)
@@ -283,14 +383,28 @@ class ChatService:
         running = [g.work for g in self._generations.values()]
         if running and grace > 0:
             await asyncio.wait(running, timeout=grace)
-        for generation in list(self._generations.values()):
-            generation.request_cancel()
+        self.hurry()
         if self._runs:
             await asyncio.wait(list(self._runs), timeout=10)
+        for run in list(self._runs):  # stuck past all that: stop waiting for them
+            run.cancel()
+        if self._runs:
+            await asyncio.wait(list(self._runs), timeout=5)
+
+    def hurry(self) -> None:
+        """Cancel every running generation now (a drain waiting on them ends sooner)."""
+        for generation in list(self._generations.values()):
+            generation.request_cancel()
 
     async def aclose(self, grace: float = 0.0) -> None:
-        """Drain (see `drain`), then stop background chores."""
+        """Drain (see `drain`), make a last attempt at saving what the store did not
+        take, then stop background chores."""
         await self.drain(grace)
+        for answer_id, saved in list(self._unsaved.items()):
+            try:
+                await self.store.finish_answer(answer_id, saved)
+            except Unavailable:
+                log.error("answer %s is not saved: the store is unavailable", answer_id)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -335,6 +449,19 @@ class ChatService:
         if not text or text.lower().strip(" .") == "not_needed" or text == question:
             return None
         return text
+
+
+def saved_from(logged: list[Event], fallback: StoredMessage | None = None) -> Saved:
+    """What to save for an answer from its logged events: their text, and the status
+    its end gave (`failed` when it has none: its process died)."""
+    content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
+    reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
+    if not logged and fallback is not None:
+        content, reasoning = fallback.content, fallback.reasoning
+    status = "failed"
+    if logged and logged[-1].type == "messageEnd":
+        status = logged[-1].data.get("status", "completed")
+    return Saved(content=content, reasoning=reasoning, status=status)
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:

@@ -39,9 +39,21 @@ CONTEXT_CHARS_PER_SOURCE = 6000
 
 
 class Progress(Protocol):
-    """Where the pipeline reports: the generation's recording emitter."""
+    """Where the pipeline reports: the generation's `LogWriter`."""
 
     def emit(self, type: str, **data: object) -> object: ...
+
+
+def search_problem(settings: Settings) -> str | None:
+    """Why web search cannot work as configured (said once at start), or None."""
+    provider = settings.search.provider
+    if provider == "tavily" and not settings.tavily.api_key:
+        return "search.provider is tavily but no key is set (TAVILY_API_KEY)"
+    if provider == "searxng" and not settings.searxng.url:
+        return "search.provider is searxng but no instance is set (SEARXNG_URL)"
+    if provider == "google" and not (settings.google.api_key and settings.google.cse_id):
+        return "search.provider is google but GOOGLE_API_KEY and GOOGLE_CSE_ID are not both set"
+    return None
 
 
 def open_provider(settings: Settings, http: httpx.AsyncClient) -> SearchProvider:

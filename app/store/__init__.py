@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Chat, Store, StoredMessage
+from .base import Chat, Saved, Store, StoredMessage
 
 
 def open_store(url: str) -> Store:
@@ -22,4 +22,4 @@ def open_store(url: str) -> Store:
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:/// or postgresql://")
 
 
-__all__ = ["Chat", "Store", "StoredMessage", "open_store"]
+__all__ = ["Chat", "Saved", "Store", "StoredMessage", "open_store"]

@@ -1,16 +1,27 @@
-"""The store interface: chats and their messages.
+"""The store interface: chats and their messages, and what the processes of one
+deployment share (worker numbers for ids, secrets).
 
-Ids are decimal strings at this interface (64-bit integers underneath).
-`created_at` is Unix seconds (float). Messages of a chat are ordered by
-`created_at`, then id (snowflake ids grow with time).
+Ids are opaque strings. `created_at` is Unix seconds (float). Messages of a
+chat are ordered by `created_at`, then id.
+
+Errors are mapped at this boundary: a backend that cannot be reached raises
+`Unavailable` (503), an id that is taken raises `Conflict`; missing rows are
+`None`/`False`, never exceptions. No driver error leaves a backend.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+from ..errors import AppError, Conflict, Forbidden, Unavailable
+
+log = logging.getLogger("app.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,19 @@ class StoredMessage:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """What an ended answer saves: its text and status, and what its question learnt
+    while it ran (the rewrite; the sources, when they could not be saved at once)."""
+
+    content: str
+    reasoning: str
+    status: str
+    question_id: str | None = None
+    rewritten: str | None = None
+    sources: list[dict[str, Any]] | None = None
+
+
 #: the column order both backends select in, so one mapping serves both
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 MESSAGE_COLUMNS = (
@@ -95,17 +119,58 @@ def message_from_row(row: Any, sources: list[dict[str, Any]]) -> StoredMessage:
 def message_params(message: StoredMessage, sources: Any) -> tuple[Any, ...]:
     """The values of `MESSAGE_COLUMNS` for an insert, with the sources already encoded."""
     return (
-        int(message.id),
-        int(message.chat_id),
+        message.id,
+        message.chat_id,
         message.role,
         message.content,
         message.reasoning,
         message.rewritten,
         sources,
         message.status,
-        int(message.reply_to) if message.reply_to else None,
+        message.reply_to,
         message.created_at,
     )
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+Method = Callable[P, Coroutine[Any, Any, T]]
+
+
+def mapping_errors(
+    errors: tuple[type[BaseException], ...],
+) -> Callable[[Method[P, T]], Method[P, T]]:
+    """A decorator for a backend's methods: the driver's `errors` (it cannot reach or
+    use the database now) become `Unavailable`; our own errors (`Conflict`, raised
+    inside where a key is taken) pass."""
+
+    def decorate(method: Method[P, T]) -> Method[P, T]:
+        @functools.wraps(method)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return await method(*args, **kwargs)
+            except AppError:
+                raise
+            except errors as exc:
+                raise unavailable(exc) from exc
+
+        return wrapper
+
+    return decorate
+
+
+def unavailable(exc: BaseException) -> Unavailable:
+    """The error a client sees for a store that cannot be reached (details go to the log)."""
+    log.warning("store unavailable: %r", exc)
+    return Unavailable("the chat store is unavailable; try again shortly")
+
+
+def taken(what: str) -> Conflict:
+    return Conflict(f"{what} is already used")
+
+
+def not_yours() -> Forbidden:
+    return Forbidden("this chat belongs to another user")
 
 
 def iso(ts: float) -> str:
@@ -113,8 +178,7 @@ def iso(ts: float) -> str:
 
 
 class Store(abc.ABC):
-    """Chats and messages. Missing rows are `None`/`False`, never exceptions; a
-    backend that cannot be reached raises its driver's error (OSError and the like)."""
+    """Chats and messages, worker numbers and secrets (see the module docstring for errors)."""
 
     async def open(self) -> None:  # noqa: B027 - optional for backends without setup
         """Connect and create or upgrade the schema."""
@@ -122,13 +186,18 @@ class Store(abc.ABC):
     async def close(self) -> None:  # noqa: B027
         """Release connections. Safe to call twice."""
 
-    @abc.abstractmethod
-    async def ping(self) -> None:
-        """Raise if the backend cannot answer."""
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @abc.abstractmethod
-    async def create_chat(self, chat: Chat) -> bool:
-        """Insert a chat; False when the id exists already."""
+    async def ping(self) -> None:
+        """Raise `Unavailable` if the backend cannot answer."""
+
+    # -- chats --------------------------------------------------------------------------
 
     @abc.abstractmethod
     async def get_chat(self, chat_id: str) -> Chat | None: ...
@@ -144,18 +213,37 @@ class Store(abc.ABC):
     async def delete_chat(self, chat_id: str) -> bool:
         """Delete a chat and its messages; False when there was none."""
 
-    @abc.abstractmethod
-    async def add_messages(self, messages: list[StoredMessage]) -> None:
-        """Insert several messages in one round trip; ids that exist are left alone."""
+    # -- messages -----------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def finish_message(
-        self, message_id: str, *, content: str, reasoning: str, status: str
-    ) -> None:
-        """Set an answer's final content, reasoning and status."""
+    async def begin_answer(
+        self,
+        chat: Chat,
+        question: StoredMessage,
+        answer: StoredMessage,
+        *,
+        regenerate: bool = False,
+    ) -> bool:
+        """In one transaction: the chat unless it exists, the question, and the answer's
+        row. With `regenerate` the question exists already: its answer and every later
+        message of the chat are deleted instead. Returns whether the chat was created.
+
+        Raises `Conflict` when the question's (or the answer's) id is taken, and
+        `Forbidden` when the chat exists and is another user's; then nothing is
+        written."""
 
     @abc.abstractmethod
     async def set_sources(self, message_id: str, sources: list[dict[str, Any]]) -> None: ...
+
+    @abc.abstractmethod
+    async def finish_answer(
+        self, answer_id: str, saved: Saved, *, only_streaming: bool = False
+    ) -> bool:
+        """Set an answer's final content, reasoning and status — with `saved.question_id`,
+        also the question's `rewritten` and `sources` (those given) — in one transaction.
+        With `only_streaming`, only an answer still `streaming` changes (a sweeper
+        closing it must not overwrite its owner's save). Returns whether it changed.
+        Saving the same answer twice is harmless."""
 
     @abc.abstractmethod
     async def get_message(self, message_id: str) -> StoredMessage | None: ...
@@ -164,9 +252,27 @@ class Store(abc.ABC):
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         """A chat's messages in order."""
 
-    async def __aenter__(self) -> Store:
-        await self.open()
-        return self
+    @abc.abstractmethod
+    async def streaming_answers(
+        self, created_before: float, limit: int = 100
+    ) -> list[StoredMessage]:
+        """Answers still `streaming` that began before `created_before`, oldest first."""
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    # -- what the processes of a deployment share --------------------------------------------
+
+    @abc.abstractmethod
+    async def lease_worker(self, token: str, ttl: float, workers: int) -> int:
+        """A worker number in `range(workers)` that no live process holds, leased to
+        `token` for `ttl` seconds. Raises `Unavailable` when every number is held."""
+
+    @abc.abstractmethod
+    async def renew_worker(self, worker: int, token: str, ttl: float) -> bool:
+        """Extend the lease; False when `token` no longer holds it (it expired and
+        another process took it)."""
+
+    @abc.abstractmethod
+    async def release_worker(self, worker: int, token: str) -> None: ...
+
+    @abc.abstractmethod
+    async def secret(self, name: str) -> str:
+        """A random secret shared by every process of the deployment (made once)."""

@@ -3,10 +3,12 @@
 The schema is created and upgraded by numbered migrations recorded in
 `schema_migrations`; they run on start inside one transaction holding an
 advisory lock, so several workers starting at once apply each migration once.
+Worker leases use the database's clock, so hosts whose clocks differ agree.
 """
 
 from __future__ import annotations
 
+import secrets as random_secrets
 from typing import Any
 
 import asyncpg
@@ -16,14 +18,20 @@ from .base import (
     CHAT_COLUMNS,
     MESSAGE_COLUMNS,
     Chat,
+    Saved,
     Store,
     StoredMessage,
     chat_from_row,
+    mapping_errors,
     message_from_row,
     message_params,
+    not_yours,
+    taken,
+    unavailable,
 )
 
 LOCK_ID = 7_138_337_258  # pg_advisory_xact_lock key of the migrations
+NOW = "extract(epoch from clock_timestamp())"
 
 MIGRATIONS = (
     """
@@ -49,7 +57,40 @@ MIGRATIONS = (
     );
     CREATE INDEX messages_by_chat ON messages (chat_id, created_at, id);
     """,
+    # 2: opaque text ids (existing integer ids become their decimal text), the
+    # answers a sweeper looks for, worker leases and shared secrets
+    """
+    ALTER TABLE messages DROP CONSTRAINT messages_chat_id_fkey;
+    ALTER TABLE chats
+        ALTER COLUMN id TYPE TEXT USING id::text,
+        ALTER COLUMN user_id TYPE TEXT USING user_id::text;
+    ALTER TABLE messages
+        ALTER COLUMN id TYPE TEXT USING id::text,
+        ALTER COLUMN chat_id TYPE TEXT USING chat_id::text,
+        ALTER COLUMN reply_to TYPE TEXT USING reply_to::text;
+    ALTER TABLE messages ADD CONSTRAINT messages_chat_id_fkey
+        FOREIGN KEY (chat_id) REFERENCES chats (id) ON DELETE CASCADE;
+    CREATE INDEX messages_streaming ON messages (created_at) WHERE status = 'streaming';
+    CREATE TABLE workers (
+        n INTEGER PRIMARY KEY,
+        token TEXT NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
 )
+
+#: what says the database cannot be reached or used right now (not a bug of ours)
+UNAVAILABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+)
+
+mapped = mapping_errors(UNAVAILABLE)
 
 
 class PostgresStore(Store):
@@ -80,83 +121,192 @@ class PostgresStore(Store):
             raise OSError("store is not open")
         return self._pool
 
+    @mapped
     async def ping(self) -> None:
         await self.pool.fetchval("SELECT 1")
 
-    async def create_chat(self, chat: Chat) -> bool:
-        status = await self.pool.execute(
-            "INSERT INTO chats (id, user_id, title, focus_mode, created_at) VALUES ($1, $2, $3, $4, $5)"
-            " ON CONFLICT (id) DO NOTHING",
-            int(chat.id),
-            int(chat.user_id),
-            chat.title,
-            chat.focus_mode,
-            chat.created_at,
-        )
-        return _one_row(status)
+    # -- chats --------------------------------------------------------------------------
 
+    @mapped
     async def get_chat(self, chat_id: str) -> Chat | None:
-        row = await self.pool.fetchrow(
-            f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = $1",
-            int(chat_id),
-        )
-        return _chat(row) if row else None
+        row = await self.pool.fetchrow(f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = $1", chat_id)
+        return chat_from_row(row) if row else None
 
+    @mapped
     async def set_title(self, chat_id: str, title: str) -> None:
-        await self.pool.execute("UPDATE chats SET title = $1 WHERE id = $2", title, int(chat_id))
+        await self.pool.execute("UPDATE chats SET title = $1 WHERE id = $2", title, chat_id)
 
+    @mapped
     async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
         rows = await self.pool.fetch(
             f"SELECT {CHAT_COLUMNS} FROM chats WHERE user_id = $1"
             " ORDER BY created_at DESC, id DESC LIMIT $2",
-            int(user_id),
+            user_id,
             limit,
         )
-        return [_chat(row) for row in rows]
+        return [chat_from_row(row) for row in rows]
 
+    @mapped
     async def delete_chat(self, chat_id: str) -> bool:
         # messages go with it (ON DELETE CASCADE)
-        status = await self.pool.execute("DELETE FROM chats WHERE id = $1", int(chat_id))
+        status = await self.pool.execute("DELETE FROM chats WHERE id = $1", chat_id)
         return _one_row(status)
 
-    async def add_messages(self, messages: list[StoredMessage]) -> None:
-        await self.pool.executemany(
-            _INSERT_MESSAGE, [message_params(m, m.sources) for m in messages]
-        )
+    # -- messages -----------------------------------------------------------------------
 
-    async def finish_message(
-        self, message_id: str, *, content: str, reasoning: str, status: str
-    ) -> None:
-        await self.pool.execute(
-            "UPDATE messages SET content = $1, reasoning = $2, status = $3 WHERE id = $4",
-            content,
-            reasoning,
-            status,
-            int(message_id),
-        )
+    @mapped
+    async def begin_answer(
+        self,
+        chat: Chat,
+        question: StoredMessage,
+        answer: StoredMessage,
+        *,
+        regenerate: bool = False,
+    ) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(
+                "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
+                " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
+                chat.id,
+                chat.user_id,
+                chat.title,
+                chat.focus_mode,
+                chat.created_at,
+            )
+            if not _one_row(status):
+                owner = await conn.fetchval("SELECT user_id FROM chats WHERE id = $1", chat.id)
+                if owner != chat.user_id:
+                    raise not_yours()
+            try:
+                if regenerate:
+                    await conn.execute(
+                        "DELETE FROM messages WHERE chat_id = $1 AND (created_at, id) > ($2, $3)",
+                        question.chat_id,
+                        question.created_at,
+                        question.id,
+                    )
+                    await conn.execute(_INSERT_MESSAGE, *_params(answer))
+                else:
+                    await conn.executemany(_INSERT_MESSAGE, [_params(question), _params(answer)])
+            except asyncpg.UniqueViolationError as exc:
+                raise taken("message.messageId") from exc
+            return _one_row(status)
 
+    @mapped
     async def set_sources(self, message_id: str, sources: list[dict[str, Any]]) -> None:
         await self.pool.execute(
-            "UPDATE messages SET sources = $1 WHERE id = $2", sources, int(message_id)
+            "UPDATE messages SET sources = $1 WHERE id = $2", sources, message_id
         )
 
+    @mapped
+    async def finish_answer(
+        self, answer_id: str, saved: Saved, *, only_streaming: bool = False
+    ) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            result = await conn.execute(
+                "UPDATE messages SET content = $1, reasoning = $2, status = $3 WHERE id = $4"
+                + (" AND status = 'streaming'" if only_streaming else ""),
+                saved.content,
+                saved.reasoning,
+                saved.status,
+                answer_id,
+            )
+            changed = _one_row(result)
+            if changed and saved.question_id is not None and saved.rewritten is not None:
+                await conn.execute(
+                    "UPDATE messages SET rewritten = $1 WHERE id = $2",
+                    saved.rewritten,
+                    saved.question_id,
+                )
+            if changed and saved.question_id is not None and saved.sources is not None:
+                await conn.execute(
+                    "UPDATE messages SET sources = $1 WHERE id = $2",
+                    saved.sources,
+                    saved.question_id,
+                )
+            return changed
+
+    @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.pool.fetchrow(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = $1", int(message_id)
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = $1", message_id
         )
         return _message(row) if row else None
 
+    @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         rows = await self.pool.fetch(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = $1 ORDER BY created_at, id",
-            int(chat_id),
+            chat_id,
         )
         return [_message(row) for row in rows]
+
+    @mapped
+    async def streaming_answers(
+        self, created_before: float, limit: int = 100
+    ) -> list[StoredMessage]:
+        rows = await self.pool.fetch(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
+            " AND created_at < $1 ORDER BY created_at LIMIT $2",
+            created_before,
+            limit,
+        )
+        return [_message(row) for row in rows]
+
+    # -- what the processes of a deployment share --------------------------------------------
+
+    @mapped
+    async def lease_worker(self, token: str, ttl: float, workers: int) -> int:
+        # a free number at random (not the lowest), so that starts racing for one
+        # rarely meet; the upsert takes it only if it is still free
+        for _attempt in range(8):
+            worker: int | None = await self.pool.fetchval(
+                f"SELECT n FROM generate_series(0, $1 - 1) AS n WHERE n NOT IN"
+                f" (SELECT n FROM workers WHERE expires_at > {NOW}) ORDER BY random() LIMIT 1",
+                workers,
+            )
+            if worker is None:
+                break
+            leased = await self.pool.fetchval(
+                f"INSERT INTO workers (n, token, expires_at) VALUES ($1, $2, {NOW} + $3)"
+                " ON CONFLICT (n) DO UPDATE SET token = excluded.token,"
+                f" expires_at = excluded.expires_at WHERE workers.expires_at <= {NOW}"
+                " RETURNING n",
+                worker,
+                token,
+                ttl,
+            )
+            if leased is not None:
+                return worker
+        raise unavailable(RuntimeError(f"no free worker number of {workers}"))
+
+    @mapped
+    async def renew_worker(self, worker: int, token: str, ttl: float) -> bool:
+        status = await self.pool.execute(
+            f"UPDATE workers SET expires_at = {NOW} + $1 WHERE n = $2 AND token = $3",
+            ttl,
+            worker,
+            token,
+        )
+        return _one_row(status)
+
+    @mapped
+    async def release_worker(self, worker: int, token: str) -> None:
+        await self.pool.execute("DELETE FROM workers WHERE n = $1 AND token = $2", worker, token)
+
+    @mapped
+    async def secret(self, name: str) -> str:
+        await self.pool.execute(
+            "INSERT INTO secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            name,
+            random_secrets.token_hex(32),
+        )
+        value: str = await self.pool.fetchval("SELECT value FROM secrets WHERE name = $1", name)
+        return value
 
 
 _INSERT_MESSAGE = (
     f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
-    " ON CONFLICT (id) DO NOTHING"
 )
 
 
@@ -186,8 +336,8 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
-def _chat(row: Any) -> Chat:
-    return chat_from_row(row)
+def _params(message: StoredMessage) -> tuple[Any, ...]:
+    return message_params(message, message.sources)
 
 
 def _message(row: Any) -> StoredMessage:

@@ -2,14 +2,19 @@
 
 One connection in WAL mode; aiosqlite runs it on its own thread, so the event
 loop never blocks on disk. The schema is upgraded by numbered migrations kept
-in `PRAGMA user_version`, inside one transaction.
+in `PRAGMA user_version`, inside one transaction. Writes go through one lock
+and each runs as one transaction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import secrets as random_secrets
 import sqlite3
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +25,16 @@ from .base import (
     CHAT_COLUMNS,
     MESSAGE_COLUMNS,
     Chat,
+    Saved,
     Store,
     StoredMessage,
     chat_from_row,
+    mapping_errors,
     message_from_row,
     message_params,
+    not_yours,
+    taken,
+    unavailable,
 )
 
 OPEN_ATTEMPTS = 100
@@ -53,7 +63,47 @@ MIGRATIONS = (
     );
     CREATE INDEX IF NOT EXISTS messages_by_chat ON messages (chat_id, created_at, id);
     """,
+    # 2: opaque text ids (existing integer ids become their decimal text), the
+    # answers a sweeper looks for, worker leases and shared secrets
+    """
+    CREATE TABLE chats_v2 (
+        id TEXT PRIMARY KEY,
+        user_id TEXT NOT NULL,
+        title TEXT NOT NULL,
+        focus_mode TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    INSERT INTO chats_v2
+        SELECT CAST(id AS TEXT), CAST(user_id AS TEXT), title, focus_mode, created_at FROM chats;
+    CREATE TABLE messages_v2 (
+        id TEXT PRIMARY KEY,
+        chat_id TEXT NOT NULL REFERENCES chats_v2 (id) ON DELETE CASCADE,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        reasoning TEXT NOT NULL DEFAULT '',
+        rewritten TEXT,
+        sources TEXT NOT NULL DEFAULT '[]',
+        status TEXT NOT NULL,
+        reply_to TEXT,
+        created_at REAL NOT NULL
+    );
+    INSERT INTO messages_v2
+        SELECT CAST(id AS TEXT), CAST(chat_id AS TEXT), role, content, reasoning, rewritten,
+               sources, status, CAST(reply_to AS TEXT), created_at
+        FROM messages;
+    DROP TABLE messages;
+    DROP TABLE chats;
+    ALTER TABLE chats_v2 RENAME TO chats;
+    ALTER TABLE messages_v2 RENAME TO messages;
+    CREATE INDEX chats_by_user ON chats (user_id, created_at DESC, id DESC);
+    CREATE INDEX messages_by_chat ON messages (chat_id, created_at, id);
+    CREATE INDEX messages_streaming ON messages (created_at) WHERE status = 'streaming';
+    CREATE TABLE workers (n INTEGER PRIMARY KEY, token TEXT NOT NULL, expires_at REAL NOT NULL);
+    CREATE TABLE secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
 )
+
+mapped = mapping_errors((sqlite3.Error, OSError))
 
 
 def sqlite_path(url: str) -> str:
@@ -106,89 +156,202 @@ class SQLiteStore(Store):
             raise OSError("store is not open")
         return self._db
 
+    @mapped
     async def ping(self) -> None:
         async with self.db.execute("SELECT 1") as cur:
             await cur.fetchone()
 
-    async def _write(self, sql: str, params: tuple[Any, ...]) -> int:
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
         async with self._write_lock:
-            cursor = await self.db.execute(sql, params)
+            db = self.db
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+            await db.execute("COMMIT")
+
+    async def _write(self, sql: str, params: tuple[Any, ...]) -> int:
+        async with self._transaction() as db:
+            cursor = await db.execute(sql, params)
             count = cursor.rowcount
             await cursor.close()
             return count
 
-    async def create_chat(self, chat: Chat) -> bool:
-        count = await self._write(
-            "INSERT OR IGNORE INTO chats (id, user_id, title, focus_mode, created_at) VALUES (?, ?, ?, ?, ?)",
-            (int(chat.id), int(chat.user_id), chat.title, chat.focus_mode, chat.created_at),
-        )
-        return count == 1
+    async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        async with self.db.execute(sql, params) as cur:
+            return list(await cur.fetchall())
 
+    # -- chats --------------------------------------------------------------------------
+
+    @mapped
     async def get_chat(self, chat_id: str) -> Chat | None:
-        async with self.db.execute(
-            f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = ?",
-            (int(chat_id),),
-        ) as cur:
-            row = await cur.fetchone()
-        return _chat(row) if row else None
+        rows = await self._rows(f"SELECT {CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,))
+        return chat_from_row(rows[0]) if rows else None
 
+    @mapped
     async def set_title(self, chat_id: str, title: str) -> None:
-        await self._write("UPDATE chats SET title = ? WHERE id = ?", (title, int(chat_id)))
+        await self._write("UPDATE chats SET title = ? WHERE id = ?", (title, chat_id))
 
+    @mapped
     async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
-        async with self.db.execute(
+        rows = await self._rows(
             f"SELECT {CHAT_COLUMNS} FROM chats WHERE user_id = ?"
             " ORDER BY created_at DESC, id DESC LIMIT ?",
-            (int(user_id), limit),
-        ) as cur:
-            rows = await cur.fetchall()
-        return [_chat(row) for row in rows]
-
-    async def delete_chat(self, chat_id: str) -> bool:
-        async with self._write_lock:
-            await self.db.execute("BEGIN")
-            try:
-                await self.db.execute("DELETE FROM messages WHERE chat_id = ?", (int(chat_id),))
-                cursor = await self.db.execute("DELETE FROM chats WHERE id = ?", (int(chat_id),))
-                count = cursor.rowcount
-                await self.db.execute("COMMIT")
-            except BaseException:
-                await self.db.execute("ROLLBACK")
-                raise
-        return count == 1
-
-    async def add_messages(self, messages: list[StoredMessage]) -> None:
-        async with self._write_lock:
-            await self.db.executemany(_INSERT_MESSAGE, [_params(m) for m in messages])
-
-    async def finish_message(
-        self, message_id: str, *, content: str, reasoning: str, status: str
-    ) -> None:
-        await self._write(
-            "UPDATE messages SET content = ?, reasoning = ?, status = ? WHERE id = ?",
-            (content, reasoning, status, int(message_id)),
+            (user_id, limit),
         )
+        return [chat_from_row(row) for row in rows]
 
+    @mapped
+    async def delete_chat(self, chat_id: str) -> bool:
+        async with self._transaction() as db:
+            await db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
+            cursor = await db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+            return cursor.rowcount == 1
+
+    # -- messages -----------------------------------------------------------------------
+
+    @mapped
+    async def begin_answer(
+        self,
+        chat: Chat,
+        question: StoredMessage,
+        answer: StoredMessage,
+        *,
+        regenerate: bool = False,
+    ) -> bool:
+        async with self._transaction() as db:
+            cursor = await db.execute(
+                "INSERT OR IGNORE INTO chats (id, user_id, title, focus_mode, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (chat.id, chat.user_id, chat.title, chat.focus_mode, chat.created_at),
+            )
+            created = cursor.rowcount == 1
+            if not created:
+                rows = await db.execute_fetchall(
+                    "SELECT user_id FROM chats WHERE id = ?", (chat.id,)
+                )
+                if list(rows)[0][0] != chat.user_id:
+                    raise not_yours()
+            try:
+                if regenerate:
+                    await db.execute(
+                        "DELETE FROM messages WHERE chat_id = ? AND (created_at > ?"
+                        " OR (created_at = ? AND id > ?)) AND id != ?",
+                        (
+                            question.chat_id,
+                            question.created_at,
+                            question.created_at,
+                            question.id,
+                            question.id,
+                        ),
+                    )
+                    await db.execute(_INSERT_MESSAGE, _params(answer))
+                else:
+                    await db.executemany(_INSERT_MESSAGE, [_params(question), _params(answer)])
+            except sqlite3.IntegrityError as exc:
+                raise taken("message.messageId") from exc
+        return created
+
+    @mapped
     async def set_sources(self, message_id: str, sources: list[dict[str, Any]]) -> None:
         await self._write(
             "UPDATE messages SET sources = ? WHERE id = ?",
-            (orjson.dumps(sources).decode(), int(message_id)),
+            (orjson.dumps(sources).decode(), message_id),
         )
 
-    async def get_message(self, message_id: str) -> StoredMessage | None:
-        async with self.db.execute(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (int(message_id),)
-        ) as cur:
-            row = await cur.fetchone()
-        return _message(row) if row else None
+    @mapped
+    async def finish_answer(
+        self, answer_id: str, saved: Saved, *, only_streaming: bool = False
+    ) -> bool:
+        async with self._transaction() as db:
+            cursor = await db.execute(
+                "UPDATE messages SET content = ?, reasoning = ?, status = ? WHERE id = ?"
+                + (" AND status = 'streaming'" if only_streaming else ""),
+                (saved.content, saved.reasoning, saved.status, answer_id),
+            )
+            changed = cursor.rowcount == 1
+            if changed and saved.question_id is not None and saved.rewritten is not None:
+                await db.execute(
+                    "UPDATE messages SET rewritten = ? WHERE id = ?",
+                    (saved.rewritten, saved.question_id),
+                )
+            if changed and saved.question_id is not None and saved.sources is not None:
+                await db.execute(
+                    "UPDATE messages SET sources = ? WHERE id = ?",
+                    (orjson.dumps(saved.sources).decode(), saved.question_id),
+                )
+            return changed
 
+    @mapped
+    async def get_message(self, message_id: str) -> StoredMessage | None:
+        rows = await self._rows(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
+        )
+        return _message(rows[0]) if rows else None
+
+    @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
-        async with self.db.execute(
+        rows = await self._rows(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
-            (int(chat_id),),
-        ) as cur:
-            rows = await cur.fetchall()
+            (chat_id,),
+        )
         return [_message(row) for row in rows]
+
+    @mapped
+    async def streaming_answers(
+        self, created_before: float, limit: int = 100
+    ) -> list[StoredMessage]:
+        rows = await self._rows(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
+            " AND created_at < ? ORDER BY created_at LIMIT ?",
+            (created_before, limit),
+        )
+        return [_message(row) for row in rows]
+
+    # -- what the processes of a deployment share --------------------------------------------
+
+    @mapped
+    async def lease_worker(self, token: str, ttl: float, workers: int) -> int:
+        async with self._transaction() as db:
+            now = time.time()
+            rows = await db.execute_fetchall("SELECT n FROM workers WHERE expires_at > ?", (now,))
+            held = {row[0] for row in rows}
+            free = [n for n in range(workers) if n not in held]
+            if not free:
+                raise unavailable(RuntimeError(f"all {workers} worker numbers are leased"))
+            worker = random.choice(free)
+            await db.execute(
+                "INSERT INTO workers (n, token, expires_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (n) DO UPDATE SET token = excluded.token,"
+                " expires_at = excluded.expires_at",
+                (worker, token, now + ttl),
+            )
+            return worker
+
+    @mapped
+    async def renew_worker(self, worker: int, token: str, ttl: float) -> bool:
+        count = await self._write(
+            "UPDATE workers SET expires_at = ? WHERE n = ? AND token = ?",
+            (time.time() + ttl, worker, token),
+        )
+        return count == 1
+
+    @mapped
+    async def release_worker(self, worker: int, token: str) -> None:
+        await self._write("DELETE FROM workers WHERE n = ? AND token = ?", (worker, token))
+
+    @mapped
+    async def secret(self, name: str) -> str:
+        async with self._transaction() as db:
+            await db.execute(
+                "INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)",
+                (name, random_secrets.token_hex(32)),
+            )
+            rows = await db.execute_fetchall("SELECT value FROM secrets WHERE name = ?", (name,))
+            return str(list(rows)[0][0])
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:
@@ -220,17 +383,11 @@ async def _run_script(db: aiosqlite.Connection, script: str) -> None:
             await db.execute(statement)
 
 
-_INSERT_MESSAGE = (
-    f"INSERT OR IGNORE INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
+_INSERT_MESSAGE = f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def _params(message: StoredMessage) -> tuple[Any, ...]:
     return message_params(message, orjson.dumps(message.sources).decode())
-
-
-def _chat(row: Any) -> Chat:
-    return chat_from_row(row)
 
 
 def _message(row: Any) -> StoredMessage:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,15 @@ class GenerationLog:
                 self._sink(self, event)
         else:
             self.keepalives += 1
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    def end(self, terminal: Event) -> None:
+        """Append the terminal event for local readers only (the hub made it durable
+        already, so it does not go through the sink)."""
+        self.events.append(terminal)
+        self.finished = True
         changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()
@@ -127,44 +136,58 @@ class LogWriter:
         self.log.append(Event("keep-alive", self.chat_id, self.message_id))
 
 
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A generation this process runs: its handle, how to cancel it, and the key its
+    concurrency cap counts it under (the user with auth on, else the client address)."""
+
+    handle: Handle
+    on_cancel: Callable[[], None]
+    cap_key: str
+
+
 class LocalRegistry:
     """This process's part of a hub: the generations it runs (with their cancel
     callbacks) and the logs it keeps, each for `replay_ttl` seconds after its end."""
 
     def __init__(self, replay_ttl: float) -> None:
         self.replay_ttl = replay_ttl
-        self._running: dict[str, tuple[Handle, Callable[[], None]]] = {}
+        self._running: dict[str, Running] = {}
         self._logs: dict[str, GenerationLog] = {}
         self._latest: dict[str, str] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
 
-    def check_free(self, handle: Handle, max_per_user: int) -> None:
+    def check_free(self, handle: Handle, cap_key: str, max_running: int) -> None:
         """Conflict when the chat runs a generation here; RateLimited past the cap."""
         if handle.chat_id in self._running:
             raise already_running()
-        if max_per_user and self.count_user(handle.user_id) >= max_per_user:
-            raise too_many(max_per_user)
+        if max_running and self.count(cap_key) >= max_running:
+            raise too_many(max_running)
 
-    def count_user(self, user_id: str) -> int:
-        return sum(1 for h, _ in self._running.values() if h.user_id == user_id)
+    def count(self, cap_key: str) -> int:
+        return sum(1 for r in self._running.values() if r.cap_key == cap_key)
 
-    def add(self, log: GenerationLog, on_cancel: Callable[[], None]) -> None:
+    def add(self, log: GenerationLog, on_cancel: Callable[[], None], cap_key: str) -> None:
         handle = log.handle
-        self._running[handle.chat_id] = (handle, on_cancel)
+        self._running[handle.chat_id] = Running(handle, on_cancel, cap_key)
         self._logs[handle.answer_id] = log
         self._latest[handle.chat_id] = handle.answer_id
 
-    def release(self, handle: Handle) -> None:
-        """The chat is free again; its log stays for `replay_ttl`."""
+    def release(self, handle: Handle, *, keep_log: bool = True) -> None:
+        """The chat is free again; its log stays for `replay_ttl` (or goes at once)."""
         entry = self._running.get(handle.chat_id)
-        if entry is not None and entry[0].answer_id == handle.answer_id:
+        if entry is not None and entry.handle.answer_id == handle.answer_id:
             del self._running[handle.chat_id]
-        if handle.answer_id in self._logs and handle.answer_id not in self._expiry:
+        if not keep_log:
+            self._expire(handle)
+        elif handle.answer_id in self._logs and handle.answer_id not in self._expiry:
             loop = asyncio.get_running_loop()
             self._expiry[handle.answer_id] = loop.call_later(self.replay_ttl, self._expire, handle)
 
     def _expire(self, handle: Handle) -> None:
-        self._expiry.pop(handle.answer_id, None)
+        timer = self._expiry.pop(handle.answer_id, None)
+        if timer is not None:
+            timer.cancel()
         self._logs.pop(handle.answer_id, None)
         if self._latest.get(handle.chat_id) == handle.answer_id:
             del self._latest[handle.chat_id]
@@ -173,17 +196,30 @@ class LocalRegistry:
         """Cancel a generation of this process; False when it does not run here."""
         log = self._logs.get(answer_id)
         entry = self._running.get(log.handle.chat_id) if log else None
-        if entry is None or entry[0].answer_id != answer_id:
+        if entry is None or entry.handle.answer_id != answer_id:
             return False
-        entry[1]()
+        entry.on_cancel()
         return True
 
-    def running(self) -> list[Handle]:
-        return [handle for handle, _ in self._running.values()]
+    def running(self) -> list[Running]:
+        return list(self._running.values())
+
+    def entry(self, chat_id: str) -> Running | None:
+        return self._running.get(chat_id)
+
+    def kept_logs(self) -> list[GenerationLog]:
+        """Every log this process holds: of running generations and of ended ones still
+        kept for replay."""
+        return list(self._logs.values())
+
+    def runs(self, answer_id: str) -> bool:
+        log = self._logs.get(answer_id)
+        entry = self._running.get(log.handle.chat_id) if log else None
+        return entry is not None and entry.handle.answer_id == answer_id
 
     def lookup(self, chat_id: str) -> Handle | None:
         entry = self._running.get(chat_id)
-        return entry[0] if entry else None
+        return entry.handle if entry else None
 
     def log(self, answer_id: str) -> GenerationLog | None:
         return self._logs.get(answer_id)
@@ -202,12 +238,10 @@ class LocalRegistry:
 class StreamHub(abc.ABC):
     """Registry of running generations plus their event logs."""
 
+    #: which backend, for readiness reports
+    name: str
     #: this process's part: the generations it runs and the logs it keeps
     local: LocalRegistry
-
-    #: called with a generation found lost (its process died) and the events it
-    #: had logged, so its owner's record can be closed; set by the chat service
-    on_lost: Callable[[Handle, list[Event]], Awaitable[None]] | None = None
 
     async def open(self) -> None:  # noqa: B027 - optional
         """Start background work (listening for cancels)."""
@@ -221,21 +255,31 @@ class StreamHub(abc.ABC):
 
     @abc.abstractmethod
     async def register(
-        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+        self,
+        handle: Handle,
+        on_cancel: Callable[[], None],
+        *,
+        cap_key: str = "",
+        max_running: int = 0,
     ) -> GenerationLog:
         """Claim `handle.chat_id` for a new generation and open its log.
 
         Raises `Conflict` when a generation is already running for that chat,
-        `RateLimited` when the user already runs `max_per_user` (0: no cap).
-        `on_cancel` is called (in this process, on the event loop) when a
-        cancel for the chat arrives from any process.
+        `RateLimited` when `cap_key` already runs `max_running` (0: no cap),
+        `Unavailable` when the registry cannot answer (or is recovering from a
+        restart and cannot tell yet). `on_cancel` is called (in this process, on
+        the event loop) when a cancel for the chat arrives from any process.
         """
 
     @abc.abstractmethod
+    async def abandon(self, handle: Handle) -> None:
+        """Undo `register` for a generation that never started (no event was written)."""
+
+    @abc.abstractmethod
     async def finish(self, handle: Handle, terminal: Event) -> None:
-        """End a generation: make `terminal` (its last event) durable, release the
-        chat, then hand `terminal` to live readers — so a client that saw the
-        end can start the chat's next generation at once. Never raises for an
+        """End a generation: make `terminal` (its last event) durable and release the
+        chat, then hand `terminal` to live readers — so a client that saw the end
+        can start the chat's next generation at once. Never raises for an
         unreachable backend (the claim then expires by itself)."""
 
     @abc.abstractmethod
@@ -253,6 +297,20 @@ class StreamHub(abc.ABC):
     @abc.abstractmethod
     async def find(self, answer_id: str) -> Handle | None:
         """A generation whose events are still kept, by its answer id."""
+
+    @abc.abstractmethod
+    async def state(self, chat_id: str, answer_id: str) -> str:
+        """`running` (some process runs it), `gone` (none does), or `unknown` (the
+        registry cannot tell now: it is recovering from a restart)."""
+
+    @abc.abstractmethod
+    async def logged(self, answer_id: str) -> list[Event]:
+        """Every event of a generation still kept (what a resuming client would get)."""
+
+    @abc.abstractmethod
+    async def lead(self, chore: str, ttl: float) -> bool:
+        """Whether this process should run a chore that one process of the deployment
+        runs at a time (held for `ttl` seconds, renewed by asking again)."""
 
     @abc.abstractmethod
     def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:

@@ -9,6 +9,8 @@ from .base import GenerationLog, Handle, LocalRegistry, StreamHub
 
 
 class MemoryHub(StreamHub):
+    name = "memory"
+
     def __init__(self, *, replay_ttl: float) -> None:
         self.local = LocalRegistry(replay_ttl)
 
@@ -19,18 +21,26 @@ class MemoryHub(StreamHub):
         self.local.close()
 
     async def register(
-        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+        self,
+        handle: Handle,
+        on_cancel: Callable[[], None],
+        *,
+        cap_key: str = "",
+        max_running: int = 0,
     ) -> GenerationLog:
-        self.local.check_free(handle, max_per_user)
+        self.local.check_free(handle, cap_key, max_running)
         log = GenerationLog(handle)
-        self.local.add(log, on_cancel)
+        self.local.add(log, on_cancel, cap_key)
         return log
+
+    async def abandon(self, handle: Handle) -> None:
+        self.local.release(handle, keep_log=False)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
         log = self.local.log(handle.answer_id)
         self.local.release(handle)
         if log is not None:
-            log.append(terminal)
+            log.end(terminal)
 
     async def lookup(self, chat_id: str) -> Handle | None:
         return self.local.lookup(chat_id)
@@ -44,6 +54,16 @@ class MemoryHub(StreamHub):
     async def find(self, answer_id: str) -> Handle | None:
         log = self.local.log(answer_id)
         return log.handle if log else None
+
+    async def state(self, chat_id: str, answer_id: str) -> str:
+        return "running" if self.local.runs(answer_id) else "gone"
+
+    async def logged(self, answer_id: str) -> list[Event]:
+        log = self.local.log(answer_id)
+        return list(log.events) if log else []
+
+    async def lead(self, chore: str, ttl: float) -> bool:
+        return True  # the only process
 
     async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         log = self.local.log(handle.answer_id)

@@ -2,20 +2,32 @@
 
 Keys (all under `sc:`):
 
-    run:{chatId}      the running generation's handle (JSON); SET NX claims the chat,
-                      a TTL of `handle_ttl` refreshed by the owner's heartbeat makes
-                      a dead process's claim expire
+    proc:{token}      this process is alive (TTL `handle_ttl`, refreshed by its heartbeat);
+                      found missing, it tells the process that Redis lost its data
+    run:{chatId}      the running generation's handle (JSON): claimed with SET NX,
+                      extended and released only by its owner (compare-and-extend,
+                      compare-and-delete); its TTL makes a dead process's claim expire
     gen:{answerId}    the handle, kept while the events are (for resume)
     latest:{chatId}   the chat's newest answer id
     log:{answerId}    a Redis Stream; each entry holds a batch of events (JSON)
     cancel:{answerId} a short-lived cancel flag, in case pub/sub misses the owner
+    active:{capKey}   running answer ids scored by expiry (the concurrency cap)
+    lead:{chore}      the process that runs a one-at-a-time chore (the sweeper)
     channel sc:cancel pub/sub: answer ids to cancel
 
 A generation appends to its local log (which local clients follow with no
 Redis round trip); a flusher writes the new events of every generation of the
 process in one pipeline every `flush_interval` (one XADD per generation per
 flush, never a rewrite of what was written). Clients on other processes replay
-the stream and follow it with XREAD BLOCK.
+the stream and follow it with XREAD BLOCK, reconnecting through an outage.
+
+Redis restarted without its data: each owner re-asserts what it holds — claims,
+handles and whole logs — at its next heartbeat, which runs at once when its
+connection comes back. A process that finds its own `proc` key gone refuses new
+registrations for `settle` seconds (503, retry), and any process that lost its
+connection treats a missing claim as "unknown" rather than "lost" for as long,
+so that no second answer starts in a running chat and no follower is cut off
+while the owners catch up.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -31,9 +44,17 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..errors import Unavailable
+from ..errors import AppError, Unavailable
 from ..protocol import Event
-from .base import GenerationLog, Handle, LocalRegistry, StreamHub, already_running, too_many
+from .base import (
+    GenerationLog,
+    Handle,
+    LocalRegistry,
+    Running,
+    StreamHub,
+    already_running,
+    too_many,
+)
 
 log = logging.getLogger("app.streams")
 
@@ -42,6 +63,26 @@ CHANNEL = PREFIX + "cancel"
 LOG_CAP = 100_000  # entries (batches) per generation, approximate
 BLOCK_MS = 1000
 FLUSH_AT = 256  # pending events of one generation that trigger a flush before the interval
+REWRITE_BATCH = 500  # events per entry when a whole log is written again
+
+# claim a chat unless this process's key is gone (then Redis lost its data): 1, 0, -1
+CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+# keep a key that is ours: extended (1), set again because it was gone (2), or another's (0)
+KEEP = """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if not current then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 end
+return 0
+"""
+# delete a key only if it is still ours
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @contextlib.contextmanager
@@ -50,14 +91,23 @@ def unavailable() -> Iterator[None]:
     try:
         yield
     except (RedisError, OSError) as exc:
-        log.warning("redis is unavailable: %s", exc)
-        raise Unavailable("the stream registry (redis) is unavailable; try again") from exc
+        log.warning("redis is unavailable: %r", exc)
+        raise Unavailable("the stream registry is unavailable; try again shortly") from exc
+
+
+def recovering(seconds: float) -> Unavailable:
+    return Unavailable(
+        "the stream registry is recovering from a restart; try again shortly",
+        retry_after=max(1, round(seconds)),
+    )
 
 
 class RedisHub(StreamHub):
     """Shares the registry and the logs through Redis; this process's own part lives
     in a `LocalRegistry`, so local readers never wait on Redis. The Redis client is
     the caller's (opened and closed with the app)."""
+
+    name = "redis"
 
     def __init__(
         self,
@@ -70,21 +120,32 @@ class RedisHub(StreamHub):
     ) -> None:
         self.redis = redis
         self.local = LocalRegistry(replay_ttl)
+        self.token = secrets.token_hex(8)
         self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
         self.flush_interval = flush_interval
         self.max_generation_ms = int(max_generation_seconds * 1000)
+        self.beat_interval = min(handle_ttl / 3, 2.0)
+        #: how long owners may take to re-assert after Redis lost its data
+        self.settle = self.beat_interval + 1.0
+        self._claim = redis.register_script(CLAIM)
+        self._keep = redis.register_script(KEEP)
+        self._release = redis.register_script(RELEASE)
         self._pending: dict[str, list[Event]] = {}
-        self._dirty: dict[str, GenerationLog] = {}
         self._flushed: set[str] = set()
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self._flush_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._recovering_until = 0.0  # registrations wait (Redis lost its data)
+        self._doubt_until = 0.0  # a missing claim means "unknown" (an outage was seen)
+        self._outage = False
 
     # -- lifecycle ------------------------------------------------------------------
 
     async def open(self) -> None:
+        await self.redis.set(_proc(self.token), b"1", px=self.handle_ttl_ms)
         self._tasks = [
             asyncio.create_task(self._flusher(), name="redis-flusher"),
             asyncio.create_task(self._listener(), name="redis-cancel-listener"),
@@ -99,71 +160,116 @@ class RedisHub(StreamHub):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                 await task
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.delete(_proc(self.token))
         self.local.close()
 
     async def ping(self) -> None:
-        await self.redis.ping()
+        with unavailable():
+            await self.redis.ping()
+
+    def _doubtful(self) -> bool:
+        return time.monotonic() < self._doubt_until
+
+    def _lost_data(self) -> None:
+        """Redis came back empty: owners need `settle` seconds to re-assert."""
+        until = time.monotonic() + self.settle
+        self._recovering_until = max(self._recovering_until, until)
+        self._doubt_until = max(self._doubt_until, until)
+        self._beat_now.set()
+
+    def _connection_lost(self) -> None:
+        self._doubt_until = max(self._doubt_until, time.monotonic() + self.settle + 2.0)
 
     # -- registry -------------------------------------------------------------------
 
     async def register(
-        self, handle: Handle, on_cancel: Callable[[], None], *, max_per_user: int = 0
+        self,
+        handle: Handle,
+        on_cancel: Callable[[], None],
+        *,
+        cap_key: str = "",
+        max_running: int = 0,
     ) -> GenerationLog:
+        wait = self._recovering_until - time.monotonic()
+        if wait > 0:
+            raise recovering(wait)
         payload = _dump_handle(handle)
+        cap_key = cap_key or handle.user_id
         with unavailable():
-            claimed = await self.redis.set(
-                _run(handle.chat_id), payload, nx=True, px=self.handle_ttl_ms
+            claimed = await self._claim(
+                keys=[_run(handle.chat_id), _proc(self.token)], args=[payload, self.handle_ttl_ms]
             )
-            if not claimed:
+            if claimed == -1:
+                self._lost_data()
+                raise recovering(self.settle)
+            if claimed == 0:
                 raise already_running()
             now_ms = int(time.time() * 1000)
             keep = self.max_generation_ms + self.replay_ttl_ms
             async with self.redis.pipeline(transaction=False) as pipe:
-                # the user's running generations: members expire with their claims
-                pipe.zremrangebyscore(_active(handle.user_id), "-inf", now_ms)
-                pipe.zadd(_active(handle.user_id), {handle.answer_id: now_ms + self.handle_ttl_ms})
-                pipe.pexpire(_active(handle.user_id), self.handle_ttl_ms)
-                pipe.zcard(_active(handle.user_id))
+                # the running generations of the cap key: members expire with their claims
+                pipe.zremrangebyscore(_active(cap_key), "-inf", now_ms)
+                pipe.zadd(_active(cap_key), {handle.answer_id: now_ms + self.handle_ttl_ms})
+                pipe.pexpire(_active(cap_key), self.handle_ttl_ms)
+                pipe.zcard(_active(cap_key))
                 pipe.set(_gen(handle.answer_id), payload, px=keep)
                 pipe.set(_latest(handle.chat_id), handle.answer_id, px=keep)
                 running = (await pipe.execute())[3]
-            if max_per_user and running > max_per_user:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(_active(handle.user_id), handle.answer_id)
-                    pipe.delete(_run(handle.chat_id), _gen(handle.answer_id))
-                    await pipe.execute()
-                raise too_many(max_per_user)
+            if max_running and running > max_running:
+                await self._unclaim(handle, payload, cap_key)
+                raise too_many(max_running)
         log_ = GenerationLog(handle, self._queue)
-        self.local.add(log_, on_cancel)
+        self.local.add(log_, on_cancel, cap_key)
         return log_
+
+    async def _unclaim(self, handle: Handle, payload: bytes, cap_key: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(_active(cap_key), handle.answer_id)
+            pipe.delete(_gen(handle.answer_id))
+            await self._release(keys=[_run(handle.chat_id)], args=[payload], client=pipe)
+            await pipe.execute()
+
+    async def abandon(self, handle: Handle) -> None:
+        entry = self.local.entry(handle.chat_id)
+        self.local.release(handle, keep_log=False)
+        try:
+            await self._unclaim(handle, _dump_handle(handle), entry.cap_key if entry else "")
+        except (RedisError, OSError) as exc:
+            log.warning("redis unavailable while abandoning %s: %r", handle.answer_id, exc)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
         log_ = self.local.log(handle.answer_id)
+        entry = self.local.entry(handle.chat_id)
         self.local.release(handle)
         try:
             self._pending.setdefault(handle.answer_id, []).append(terminal)
             await self.flush(only=handle.answer_id)
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.pexpire(_log(handle.answer_id), self.replay_ttl_ms)
                 pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
                 pipe.pexpire(_latest(handle.chat_id), self.replay_ttl_ms)
                 pipe.delete(_cancel(handle.answer_id))
-                pipe.zrem(_active(handle.user_id), handle.answer_id)
+                if entry is not None:
+                    pipe.zrem(_active(entry.cap_key), handle.answer_id)
+                await self._release(
+                    keys=[_run(handle.chat_id)], args=[_dump_handle(handle)], client=pipe
+                )
                 await pipe.execute()
-            # release the claim only if it is still ours
-            current = await self.redis.get(_run(handle.chat_id))
-            if current is not None and _load_handle(current).answer_id == handle.answer_id:
-                await self.redis.delete(_run(handle.chat_id))
         except (RedisError, OSError) as exc:
-            log.warning("redis unavailable while finishing %s: %s", handle.answer_id, exc)
+            # the claim expires by itself; the terminal event stays queued for the flusher
+            log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
         finally:
-            self._flushed.discard(handle.answer_id)
             if log_ is not None:
-                log_.append(terminal)
+                log_.end(terminal)
 
     async def lookup(self, chat_id: str) -> Handle | None:
+        local = self.local.lookup(chat_id)
+        if local is not None:
+            return local
         with unavailable():
             raw = await self.redis.get(_run(chat_id))
+        if raw is None and self._doubtful():
+            raise recovering(self._doubt_until - time.monotonic())
         return _load_handle(raw) if raw else None
 
     async def cancel(self, handle: Handle) -> None:
@@ -180,7 +286,7 @@ class RedisHub(StreamHub):
             answer_id = await self.redis.get(_latest(chat_id))
         if answer_id:
             return await self.find(_text(answer_id))
-        # Redis lost it (restarted without persistence): this process may still hold it
+        # Redis lost it (restarted without its data): this process may still hold it
         return self.local.latest(chat_id)
 
     async def find(self, answer_id: str) -> Handle | None:
@@ -189,7 +295,41 @@ class RedisHub(StreamHub):
             return local.handle
         with unavailable():
             raw = await self.redis.get(_gen(answer_id))
+        if raw is None and self._doubtful():
+            raise recovering(self._doubt_until - time.monotonic())
         return _load_handle(raw) if raw else None
+
+    async def state(self, chat_id: str, answer_id: str) -> str:
+        if self.local.runs(answer_id):
+            return "running"
+        try:
+            raw = await self.redis.get(_run(chat_id))
+        except (RedisError, OSError):
+            self._connection_lost()
+            return "unknown"
+        if raw is not None and _load_handle(raw).answer_id == answer_id:
+            return "running"
+        return "unknown" if self._doubtful() else "gone"
+
+    async def logged(self, answer_id: str) -> list[Event]:
+        local = self.local.log(answer_id)
+        if local is not None:
+            return list(local.events)
+        handle = await self.find(answer_id)
+        if handle is None:
+            return []
+        with unavailable():
+            entries = _entries([(b"", await self.redis.xrange(_log(answer_id)))])
+        return [event for _id, fields in entries for event in _load_events(fields[b"e"], handle)]
+
+    async def lead(self, chore: str, ttl: float) -> bool:
+        if self._doubtful():
+            return False
+        try:
+            held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
+        except (RedisError, OSError):
+            return False
+        return bool(held)
 
     # -- the event log ----------------------------------------------------------------
 
@@ -205,6 +345,7 @@ class RedisHub(StreamHub):
             self._urgent.set()
 
     async def _flusher(self) -> None:
+        delay = 0.1
         while True:
             await self._wake.wait()
             with contextlib.suppress(TimeoutError):
@@ -213,12 +354,18 @@ class RedisHub(StreamHub):
             try:
                 await self.flush()
             except (RedisError, OSError) as exc:
-                log.warning(
-                    "redis unavailable, %d generations not flushed: %s", len(self._pending), exc
-                )
-                await asyncio.sleep(0.5)
+                if not self._outage:
+                    log.warning(
+                        "redis unavailable: events of %d answers wait: %r", len(self._pending), exc
+                    )
+                self._outage = True
+                self._connection_lost()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
                 if self._pending:
                     self._wake.set()  # try again: finished generations append nothing more
+            else:
+                delay = 0.1
 
     async def flush(self, only: str | None = None) -> None:
         """Write pending events — of every generation, or of the answer id `only` (a
@@ -238,7 +385,9 @@ class RedisHub(StreamHub):
                 for answer_id, batch in pending.items():
                     key = _log(answer_id)
                     pipe.xadd(key, {"e": _dump_events(batch)}, maxlen=LOG_CAP, approximate=True)
-                    if answer_id not in self._flushed:
+                    if batch[-1].terminal:  # kept for replay from now on
+                        pipe.pexpire(key, self.replay_ttl_ms)
+                    elif answer_id not in self._flushed:
                         pipe.pexpire(key, keep)
                 try:
                     await pipe.execute()
@@ -246,7 +395,33 @@ class RedisHub(StreamHub):
                     for answer_id, batch in pending.items():  # back, in front of newer ones
                         self._pending.setdefault(answer_id, [])[:0] = batch
                     raise
-            self._flushed.update(pending)
+            for answer_id, batch in pending.items():
+                if batch[-1].terminal:
+                    self._flushed.discard(answer_id)
+                else:
+                    self._flushed.add(answer_id)
+
+    async def _reassert(self, logs: list[GenerationLog]) -> None:
+        """Write again what Redis lost of this process's generations: handles, latest
+        pointers and whole logs (what was pending included)."""
+        async with self._flush_lock:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for log_ in logs:
+                    h = log_.handle
+                    keep = self.replay_ttl_ms
+                    if not log_.finished:
+                        keep += self.max_generation_ms
+                    self._pending.pop(h.answer_id, None)
+                    pipe.set(_gen(h.answer_id), _dump_handle(h), px=keep)
+                    pipe.set(_latest(h.chat_id), h.answer_id, px=keep)
+                    pipe.delete(_log(h.answer_id))
+                    events = log_.events
+                    for start in range(0, len(events), REWRITE_BATCH):
+                        batch = events[start : start + REWRITE_BATCH]
+                        pipe.xadd(_log(h.answer_id), {"e": _dump_events(batch)})
+                    pipe.pexpire(_log(h.answer_id), keep)
+                await pipe.execute()
+        log.info("re-asserted %d answers after redis lost its data", len(logs))
 
     async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         local = self.local.log(handle.answer_id)
@@ -258,34 +433,42 @@ class RedisHub(StreamHub):
             yield batch
 
     async def _follow_remote(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+        """Follow another process's generation through its Redis log. Through an outage
+        it reconnects and goes on from the last event it had; it ends with an `error`
+        event when the generation is lost, or Redis stays away past `settle` + the
+        claim's TTL."""
         key = _log(handle.answer_id)
         last_id: bytes | str = "0-0"
         seq = after_seq
+        failing_since: float | None = None
+        delay = 0.1
         while True:
-            with unavailable():
-                response = await self.redis.xread({key: last_id}, block=BLOCK_MS)
-            entries = _entries(response)
-            if not entries:
-                if await self._alive(handle):
-                    continue
-                # one last read: the terminal entry may have landed just now
-                entries = _entries(await self.redis.xread({key: last_id}))
+            try:
+                entries = _entries(await self.redis.xread({key: last_id}, block=BLOCK_MS))
                 if not entries:
-                    if self.on_lost is not None:
-                        await self.on_lost(handle, await self._logged(handle))
-                    yield [
-                        Event(
-                            "error",
-                            handle.chat_id,
-                            handle.answer_id,
-                            {
-                                "key": "STREAM_ERROR",
-                                "data": "generation lost: its server process stopped",
-                            },
-                            seq + 1,
-                        )
-                    ]
+                    state = await self.state(handle.chat_id, handle.answer_id)
+                    if state != "gone":
+                        continue
+                    # one last read: the terminal entry may have landed just now
+                    entries = _entries(await self.redis.xread({key: last_id}))
+                    if not entries:  # the sweeper saves what it had logged
+                        yield [
+                            _error(handle, seq + 1, "generation lost: its server process stopped")
+                        ]
+                        return
+                failing_since, delay = None, 0.1
+            except (RedisError, OSError, AppError) as exc:
+                self._connection_lost()
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("following %s: redis unavailable: %r", handle.answer_id, exc)
+                if now - failing_since > self.settle + self.handle_ttl_ms / 1000:
+                    yield [_error(handle, seq + 1, "the stream registry is unavailable")]
                     return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
             for entry_id, fields in entries:
                 last_id = entry_id
                 batch = [e for e in _load_events(fields[b"e"], handle) if e.seq > seq]
@@ -296,60 +479,98 @@ class RedisHub(StreamHub):
                 if batch[-1].terminal:
                     return
 
-    async def _logged(self, handle: Handle) -> list[Event]:
-        """Every event of a generation that reached Redis."""
-        entries = _entries([(b"", await self.redis.xrange(_log(handle.answer_id)))])
-        return [event for _id, fields in entries for event in _load_events(fields[b"e"], handle)]
-
-    async def _alive(self, handle: Handle) -> bool:
-        raw = await self.redis.get(_run(handle.chat_id))
-        return raw is not None and _load_handle(raw).answer_id == handle.answer_id
-
     # -- background: cancels and heartbeats ------------------------------------------------
 
     async def _listener(self) -> None:
+        delay, failing = 0.1, False
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(CHANNEL)
+                if failing:
+                    log.info("cancel listener: redis is back")
+                    failing = False
+                    self._beat_now.set()  # re-assert what we hold at once
+                delay = 0.1
                 async for message in pubsub.listen():
                     if message and message.get("type") == "message":
-                        self.local.cancel(message["data"].decode())
+                        self.local.cancel(_text(message["data"]))
             except (RedisError, OSError) as exc:
-                log.warning("cancel listener lost redis: %s", exc)
-                await asyncio.sleep(0.5)
+                if not failing:
+                    log.warning("cancel listener lost redis: %r", exc)
+                    failing = True
+                self._connection_lost()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _heartbeat(self) -> None:
-        """Keep this process's claims alive and pick up cancel flags, in one pipeline
-        of about one command per running generation."""
-        interval = min(self.handle_ttl_ms / 3000, 5.0)
         while True:
-            await asyncio.sleep(interval)
-            running = self.local.running()
-            if not running:
-                continue
-            expiry = int(time.time() * 1000) + self.handle_ttl_ms
-            by_user: dict[str, dict[str, int]] = {}
-            for handle in running:
-                by_user.setdefault(handle.user_id, {})[handle.answer_id] = expiry
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.beat_interval):
+                    await self._beat_now.wait()
+            self._beat_now.clear()
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for handle in running:
-                        pipe.pexpire(_run(handle.chat_id), self.handle_ttl_ms)
-                    for user_id, members in by_user.items():
-                        pipe.zadd(_active(user_id), members)
-                        pipe.pexpire(_active(user_id), self.handle_ttl_ms)
-                    pipe.mget([_cancel(handle.answer_id) for handle in running])
-                    flags = (await pipe.execute())[-1]
+                await self.beat()
             except (RedisError, OSError) as exc:
-                log.warning("heartbeat: redis unavailable: %s", exc)
-                continue
-            for handle, flagged in zip(running, flags, strict=True):
-                if flagged:
-                    self.local.cancel(handle.answer_id)
+                log.debug("heartbeat: redis unavailable: %r", exc)
+                self._connection_lost()
+
+    async def beat(self) -> None:
+        """One heartbeat, in one pipeline of about one command per running generation:
+        say this process lives, keep (or set again) its claims and cap entries, pick
+        up cancel flags; re-assert everything when Redis lost its data."""
+        running = self.local.running()
+        expiry = int(time.time() * 1000) + self.handle_ttl_ms
+        by_cap: dict[str, dict[str, int]] = {}
+        for r in running:
+            by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(_proc(self.token), b"1", px=self.handle_ttl_ms, get=True)
+            for r in running:
+                await self._keep(
+                    keys=[_run(r.handle.chat_id)],
+                    args=[_dump_handle(r.handle), self.handle_ttl_ms],
+                    client=pipe,
+                )
+            for cap_key, members in by_cap.items():
+                pipe.zadd(_active(cap_key), members)
+                pipe.pexpire(_active(cap_key), self.handle_ttl_ms)
+            if running:
+                pipe.mget([_cancel(r.handle.answer_id) for r in running])
+            results = await pipe.execute()
+        was_alive, kept = results[0], results[1 : 1 + len(running)]
+        flags = results[-1] if running else []
+        lost = was_alive is None
+        if lost:
+            self._lost_data()
+        self._check_kept(running, kept)
+        again = [r for r, k in zip(running, kept, strict=True) if k == 2]
+        if lost or again:
+            logs = (
+                self.local.kept_logs()
+                if lost
+                else [self.local.log(r.handle.answer_id) for r in again]
+            )
+            await self._reassert([log_ for log_ in logs if log_ is not None])
+        for r, flagged in zip(running, flags, strict=False):
+            if flagged:
+                self.local.cancel(r.handle.answer_id)
+
+    def _check_kept(self, running: list[Running], kept: list[Any]) -> None:
+        for r, k in zip(running, kept, strict=True):
+            if k == 0:
+                log.error(
+                    "chat %s is claimed by another generation while %s runs here",
+                    r.handle.chat_id,
+                    r.handle.answer_id,
+                )
+
+
+def _proc(token: str) -> str:
+    return f"{PREFIX}proc:{token}"
 
 
 def _run(chat_id: str) -> str:
@@ -368,12 +589,16 @@ def _log(answer_id: str) -> str:
     return f"{PREFIX}log:{answer_id}"
 
 
-def _active(user_id: str) -> str:
-    return f"{PREFIX}active:{user_id}"
+def _active(cap_key: str) -> str:
+    return f"{PREFIX}active:{cap_key}"
 
 
 def _cancel(answer_id: str) -> str:
     return f"{PREFIX}cancel:{answer_id}"
+
+
+def _lead(chore: str) -> str:
+    return f"{PREFIX}lead:{chore}"
 
 
 _HANDLE_FIELDS = ("chat_id", "answer_id", "question_id", "user_id", "question")
@@ -400,6 +625,12 @@ def _load_events(raw: bytes, handle: Handle) -> list[Event]:
         Event(kind, handle.chat_id, handle.answer_id, data, seq, ts)
         for seq, kind, data, ts in orjson.loads(raw)
     ]
+
+
+def _error(handle: Handle, seq: int, text: str) -> Event:
+    return Event(
+        "error", handle.chat_id, handle.answer_id, {"key": "STREAM_ERROR", "data": text}, seq
+    )
 
 
 def _entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

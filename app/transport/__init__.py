@@ -1,1 +1,1 @@
-"""Transports: how events reach a client (SSE, WebSocket), behind one `Emitter` interface."""
+"""Transports: one I/O-free `Encoder` and its endpoints per wire format (SSE, WebSocket)."""

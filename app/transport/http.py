@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -18,19 +19,25 @@ from ..protocol import ChatRequest, error_body, loads, parse_id
 
 log = logging.getLogger("app.http")
 
+#: the user of a request without auth and without a `userId`
+ANONYMOUS = "0"
+#: how much of an over-large body is read and dropped before the 413
+DRAIN_BYTES = 64 * 1024 * 1024
+DRAIN_SECONDS = 10.0
+
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def error_response(exc: AppError, **extra: Any) -> JSONResponse:
     headers = {}
-    retry_after = getattr(exc, "retry_after", None)
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
     return JSONResponse(error_body(exc, **extra), status_code=exc.status, headers=headers)
 
 
 def json_errors(endpoint: Endpoint) -> Endpoint:
-    """Turn an `AppError` raised before a response starts into its JSON error body."""
+    """Turn an error raised before a response starts into its JSON error body: an
+    `AppError` as it says, anything else (a bug) as 500 `INTERNAL`, logged."""
 
     @functools.wraps(endpoint)
     async def wrapper(request: Request) -> Response:
@@ -39,45 +46,68 @@ def json_errors(endpoint: Endpoint) -> Endpoint:
         except AppError as exc:
             request.app.state.metrics.errors.labels(exc.key).inc()
             return error_response(exc)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            request.app.state.metrics.errors.labels("INTERNAL").inc()
+            return error_response(AppError("internal error"))
 
     return wrapper
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
-    """The decoded JSON body; 413 `BAD_REQUEST` past `max_bytes`, 400 when not JSON."""
+    """The decoded JSON body; 413 `BAD_REQUEST` past `max_bytes`, 400 when not JSON.
+
+    An over-large body is read to its end (up to `DRAIN_BYTES`, `DRAIN_SECONDS`) and
+    dropped before the 413 goes out: a server that answers and closes while the
+    client still sends makes the kernel reset the connection, and many clients
+    then report a broken connection instead of the 413."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BadRequest(f"body is larger than {max_bytes} bytes", status=413)
+    too_large = declared is not None and declared.isdigit() and int(declared) > max_bytes
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise BadRequest(f"body is larger than {max_bytes} bytes", status=413)
-            chunks.append(chunk)
+        async with asyncio.timeout(DRAIN_SECONDS if too_large else None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    too_large = True
+                if too_large:
+                    if size > DRAIN_BYTES:
+                        break
+                    continue
+                chunks.append(chunk)
     except ClientDisconnect as exc:
         raise BadRequest("the client went away while sending the body") from exc
+    except TimeoutError:
+        pass  # a slow over-large body: answer now
+    if too_large:
+        raise BadRequest(f"body is larger than {max_bytes} bytes", status=413)
     if not size:
         raise BadRequest("body is empty: send the request as JSON")
     return loads(b"".join(chunks))
 
 
-def client_identity(request: HTTPConnection, claimed: Any) -> str | None:
-    """The user a request acts as: the API key's user when auth is on (a different
-    `claimed` id is Forbidden), else the id the request names, if any."""
+def client_identity(request: HTTPConnection, claimed: Any) -> str:
+    """The user a request acts as (PROTOCOL §7): the API key's user when auth is on (a
+    different `claimed` id is Forbidden); with auth off the id the request names,
+    and `"0"` when it names none — never "anyone"."""
     claimed_id = None if claimed in (None, "") else parse_id(claimed, "userId", allow_zero=True)
-    return Auth.resolve(request.scope.get("user_id"), claimed_id)
+    return Auth.resolve(request.scope.get("user_id"), claimed_id) or ANONYMOUS
 
 
 def request_user(request: HTTPConnection, chat_request: ChatRequest, body: Any) -> ChatRequest:
-    """A chat request acting as its caller (see `client_identity`)."""
+    """A chat request acting as its caller (see `client_identity`), counted by the
+    concurrency cap under `rate_key`."""
     claimed = body.get("userId") if isinstance(body, dict) else None
-    user = client_identity(request, claimed)
-    return replace(chat_request, user_id=user) if user is not None else chat_request
+    return replace(
+        chat_request, user_id=client_identity(request, claimed), cap_key=rate_key(request)
+    )
 
 
 def rate_key(request: HTTPConnection) -> str:
-    """Whom a rate limit counts: the user when auth is on, else the client address."""
+    """Whom rate limits and the concurrency cap count: the key's user when auth is on,
+    else the client address (a claimed `userId` proves nothing). Behind a trusted
+    proxy (`server.trusted_proxies`), the server already took the address from the
+    rightmost `X-Forwarded-For` entry."""
     user = request.scope.get("user_id")
     if user is not None:
         return f"user:{user}"
@@ -90,11 +120,12 @@ async def count_request(request: HTTPConnection) -> None:
 
 
 class AuthMiddleware:
-    """With auth on, `/api/*` and `/sources/*` need a valid key (401 otherwise); the
-    key's user is put in the scope as `user_id`. WebSockets authenticate in their
-    endpoint, where a refusal can be an error frame."""
+    """With auth on, `/api/*`, `/v1/*` and `/sources/*` need a valid key (401
+    otherwise); the key's user is put in the scope as `user_id`. A signed sources
+    link (`/sources/{id}?sig=…`) is its own capability and needs none. WebSockets
+    authenticate in their endpoint, where a refusal can be an error frame."""
 
-    PROTECTED = ("/api/", "/sources/")
+    PROTECTED = ("/api/", "/v1/", "/sources/")
 
     def __init__(self, app: ASGIApp, auth: Auth) -> None:
         self.app = app
@@ -108,9 +139,11 @@ class AuthMiddleware:
             and scope["path"].startswith(self.PROTECTED)
         ):
             request = Request(scope)
-            token = (
-                request.query_params.get("token") if scope["path"].startswith("/sources/") else None
-            )
+            sources = scope["path"].startswith("/sources/")
+            if sources and request.query_params.get("sig"):
+                await self.app(scope, receive, send)
+                return
+            token = request.query_params.get("token") if sources else None
             try:
                 scope["user_id"] = self.auth.authenticate(
                     request.headers.get("authorization"), token

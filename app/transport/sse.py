@@ -15,7 +15,15 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..protocol import Encoder, Event, parse_chat_request, parse_id, render, render_simple_start
+from ..protocol import (
+    FORMATS,
+    Encoder,
+    Event,
+    parse_chat_request,
+    parse_id,
+    render,
+    render_start,
+)
 from ..streams import Handle
 from .http import client_identity, count_request, json_errors, read_json, request_user
 
@@ -32,10 +40,8 @@ class SseEncoder(Encoder[bytes]):
         self.format = fmt
 
     def preamble(self, handle: Handle) -> bytes | None:
-        if self.format != "simple":
-            return None
-        start = render_simple_start(handle.chat_id, handle.answer_id, handle.question)
-        return b"data: %s\n\n" % orjson.dumps(start)
+        start = render_start(handle, self.format)
+        return None if start is None else b"data: %s\n\n" % orjson.dumps(start)
 
     def encode(self, events: Sequence[Event]) -> bytes | None:
         return b"".join([self._one(event) for event in events]) or None
@@ -46,11 +52,7 @@ class SseEncoder(Encoder[bytes]):
         body = render(event, self.format)
         if body is None:
             return b""
-        return b"id: %s:%d\ndata: %s\n\n" % (
-            event.message_id.encode(),
-            event.seq,
-            orjson.dumps(body),
-        )
+        return b"id: %s\ndata: %s\n\n" % (event.event_id.encode(), orjson.dumps(body))
 
 
 def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int = 0) -> Response:
@@ -102,7 +104,7 @@ async def resume(request: Request) -> Response:
     user_id = client_identity(request, params.get("userId"))
     last = request.headers.get("last-event-id") or params.get("lastEventId")
     fmt = params.get("format") or "default"
-    if fmt not in ("default", "simple"):
+    if fmt not in FORMATS:
         fmt = "default"
     handle, seq = await request.app.state.service.find_resumable(
         parse_id(chat_id, "chatId") if chat_id else None, user_id, last

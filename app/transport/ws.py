@@ -27,7 +27,7 @@ from ..protocol import (
     parse_chat_request,
     parse_control,
     render,
-    render_simple_start,
+    render_start,
 )
 from ..streams import Handle
 from .http import client_identity, count_request, request_user
@@ -45,9 +45,8 @@ class WsEncoder(Encoder[list[str]]):
         self.format = fmt
 
     def preamble(self, handle: Handle) -> list[str] | None:
-        if self.format != "simple":
-            return None
-        return [dumps(render_simple_start(handle.chat_id, handle.answer_id, handle.question))]
+        start = render_start(handle, self.format)
+        return None if start is None else [dumps(start)]
 
     def encode(self, events: Sequence[Event]) -> list[str] | None:
         frames = []
@@ -134,6 +133,15 @@ class Session:
                 self.metrics.errors.labels(exc.key).inc()
                 await self.writer.send_json(
                     error_body(exc, **({"chatId": chat_id} if chat_id else {}))
+                )
+            except (WebSocketDisconnect, OSError):
+                raise
+            except Exception:  # a bug: say so on this frame, keep the socket
+                log.exception("websocket frame failed")
+                self.metrics.errors.labels("INTERNAL").inc()
+                error = AppError("internal error")
+                await self.writer.send_json(
+                    error_body(error, **({"chatId": chat_id} if chat_id else {}))
                 )
 
     def _throttle(self) -> None:

@@ -224,6 +224,8 @@ function settle() {
   $("#stop").hidden = true;
   $("#send").disabled = false;
   refreshChats();
+  // a new chat is named by the model once its answer is out: look again shortly
+  setTimeout(refreshChats, 1500);
 }
 
 function deliver(turn, event, eventId) {
