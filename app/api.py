@@ -54,8 +54,11 @@ def _user(request: Request) -> str:
 
 @json_errors
 async def list_chats(request: Request) -> Response:
-    chats = await _service(request).list_chats(_user(request))
-    return JSONResponse([chat.to_json() for chat in chats])
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+        raise BadRequest("limit must be a number from 1 to 1000")
+    chats = await _service(request).list_chats(_user(request), int(limit))
+    return JSONResponse({"chats": [chat.to_json() for chat in chats]})
 
 
 @json_errors

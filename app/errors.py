@@ -2,7 +2,7 @@
 
     AppError                      (key INTERNAL, HTTP 500)
     ├── BadRequest                BAD_REQUEST, 400 (413 for an over-large body)
-    │   └── Conflict              BAD_REQUEST: the chat is busy, or an id is taken
+    │   └── Conflict              BAD_REQUEST, 409: the chat is busy, or an id is taken
     ├── Unauthorized              UNAUTHORIZED, 401
     ├── Forbidden                 FORBIDDEN, 403
     ├── NotFound                  NOT_FOUND, 404
@@ -43,7 +43,7 @@ class BadRequest(AppError):
 
 
 class Conflict(BadRequest):
-    pass
+    status = 409
 
 
 class Unauthorized(AppError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -180,6 +181,7 @@ def announce(settings: Settings, service: ChatService) -> None:
                 "searchProvider": settings.search.provider,
                 "auth": bool(settings.auth.api_keys),
                 "workerNumber": service.ids.worker,
+                "pid": os.getpid(),
             }
         },
     )

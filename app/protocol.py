@@ -9,6 +9,7 @@ Events are plain data; the only code that turns them into JSON is
 from __future__ import annotations
 
 import abc
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 FOCUS_MODES = tuple(MODES)
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
-MAX_ID = 2**63 - 1
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_JSON_DEPTH = 32
 
 
@@ -86,19 +87,14 @@ def _depth(value: Any) -> int:
     return depth - 1
 
 
-def parse_id(value: Any, name: str, *, allow_zero: bool = False) -> str:
-    """A 64-bit id given as digits or an integer, returned as a decimal string."""
-    if isinstance(value, bool):
-        raise BadRequest(f"{name} must be a decimal id")
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
-        number = int(value)
-    else:
-        raise BadRequest(f"{name} must be a decimal id")
-    if number > MAX_ID or number < 0 or (number == 0 and not allow_zero):
-        raise BadRequest(f"{name} is out of range for a 64-bit id")
-    return str(number)
+def parse_id(value: Any, name: str) -> str:
+    """An opaque id (PROTOCOL §1): 1–64 characters of `[A-Za-z0-9_-]`; a JSON integer
+    is taken as its decimal string. Anything else is `BadRequest`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    raise BadRequest(f"{name} must be an id of 1 to 64 letters, digits, '_' or '-'")
 
 
 def parse_chat_request(
@@ -147,7 +143,7 @@ def parse_chat_request(
         raise BadRequest("files must be a list")
 
     return ChatRequest(
-        user_id=parse_id(user_id, "userId", allow_zero=True) if user_id not in (None, "") else "0",
+        user_id=parse_id(user_id, "userId") if user_id not in (None, "") else "0",
         content=content,
         chat_id=parse_id(chat_id, "message.chatId") if chat_id not in (None, "") else None,
         message_id=parse_id(message_id, "message.messageId")
@@ -204,7 +200,7 @@ def parse_control(body: Any) -> ControlRequest:
     return ControlRequest(
         type=kind if isinstance(kind, str) else "",
         chat_id=parse_id(chat_id, "chatId") if chat_id not in (None, "") else None,
-        user_id=parse_id(user_id, "userId", allow_zero=True) if user_id not in (None, "") else None,
+        user_id=parse_id(user_id, "userId") if user_id not in (None, "") else None,
         last_event_id=last,
         format=fmt,
     )

@@ -27,15 +27,26 @@ TOO_LARGE_BODY = (
 )
 
 
+class HeadersTooLarge(Exception):
+    """Raised inside the parser: stops it on this request."""
+
+
 class BoundedHeaders(HttpToolsProtocol):
     """HttpToolsProtocol with at most `config.h11_max_incomplete_event_size` bytes of
-    request line and headers."""
+    request line and headers.
+
+    Two counts: what the parser has handed over (URL, names, values), which stops a
+    request whose headers arrive whole at once; and the bytes received while the
+    headers are not complete, which stops one endless header the parser would
+    keep buffering."""
 
     def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.max_header_bytes = config.h11_max_incomplete_event_size or 16384
         self._in_body = False
-        self._header_bytes = 0
+        self._too_large = False
+        self._parsed = 0
+        self._received = 0
         self._messages = 0
 
     def data_received(self, data: bytes) -> None:
@@ -44,10 +55,31 @@ class BoundedHeaders(HttpToolsProtocol):
         if self._in_body or self._messages != messages or self.transport.is_closing():
             return
         # all of this chunk was request line and headers (the parser has kept it)
-        self._header_bytes += len(data)
-        if self._header_bytes > self.max_header_bytes:
-            self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
-            self.transport.close()
+        self._received += len(data)
+        if self._received > self.max_header_bytes:
+            self._too_large = True
+            self.send_400_response("")
+
+    def _count(self, size: int) -> None:
+        self._parsed += size
+        if self._parsed > self.max_header_bytes:
+            self._too_large = True
+            raise HeadersTooLarge
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_large:
+            super().send_400_response(msg)
+            return
+        self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._in_body = True
@@ -56,7 +88,7 @@ class BoundedHeaders(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_body = False
-        self._header_bytes = 0
+        self._parsed = self._received = 0
         self._messages += 1
 
 

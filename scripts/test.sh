@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up and runs the test suite on a new machine (Debian/Ubuntu, Python 3.11+):
 # a virtualenv with the package and its test extras, and what the tests start
-# on loopback (redis-server, PostgreSQL) or drive (Debian's Chromium, through
+# on loopback (redis-server, PostgreSQL, nginx) or drive (Debian's Chromium, through
 # Playwright — never Playwright's own browser download), then ruff, mypy (strict,
 # on app/) and pytest.
 # Extra arguments go to pytest: scripts/test.sh -k cancel -x
@@ -14,6 +14,7 @@ python=${PYTHON:-python3}
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+[ -x /usr/sbin/nginx ] || missing+=(nginx)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   missing+=(postgresql)

@@ -80,3 +80,19 @@ async def wait_for(predicate: Callable[[], Awaitable[Any]], timeout: float = 5.0
             return value
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+async def read_events(stream: AsyncIterator[SseEvent | str], count: int) -> list[SseEvent]:
+    """The next `count` events of a stream from `iter_sse` (fewer if it ends)."""
+    got: list[SseEvent] = []
+    async for item in stream:
+        if isinstance(item, SseEvent):
+            got.append(item)
+            if len(got) == count:
+                break
+    return got
+
+
+async def rest(stream: AsyncIterator[SseEvent | str]) -> list[SseEvent]:
+    """Every remaining event of a stream from `iter_sse`."""
+    return [item async for item in stream if isinstance(item, SseEvent)]

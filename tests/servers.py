@@ -119,10 +119,24 @@ def wait_for_port(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
-class AppProcess(Loopback):
-    """The server as its own process (`python -m app`), configured by environment."""
+#: run a command as PID 1 of a PID namespace of its own, as in a container
+OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
 
-    def __init__(self, env: dict[str, str]) -> None:
+
+def pid_namespaces_work() -> bool:
+    try:
+        done = subprocess.run([*OWN_PID_NAMESPACE, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+class AppProcess(Loopback):
+    """The server as its own process (`python -m app`), configured by environment;
+    `prefix` runs it under another command (`OWN_PID_NAMESPACE`)."""
+
+    def __init__(self, env: dict[str, str], prefix: list[str] | None = None) -> None:
+        self.prefix = prefix or []
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -136,7 +150,7 @@ class AppProcess(Loopback):
 
     def start(self) -> AppProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app"],
+            [*self.prefix, sys.executable, "-m", "app"],
             env=self.env,
             cwd=ROOT,
             stdout=self.log_file,
@@ -170,11 +184,13 @@ class AppProcess(Loopback):
 
 
 @contextlib.contextmanager
-def processes(count: int, env: dict[str, str]) -> Iterator[list[AppProcess]]:
+def processes(
+    count: int, env: dict[str, str], prefix: list[str] | None = None
+) -> Iterator[list[AppProcess]]:
     started: list[AppProcess] = []
     try:
         for _ in range(count):
-            started.append(AppProcess(env).start())
+            started.append(AppProcess(env, prefix).start())
         yield started
     finally:
         for proc in started:

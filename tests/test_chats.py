@@ -16,7 +16,7 @@ async def test_new_chat_is_saved_with_title_question_and_answer(client, fake_mod
     answer_id = events[0].data["messageId"]
 
     async def titled():
-        chats = (await client.get("/api/chats", params={"userId": "1"})).json()
+        chats = (await client.get("/api/chats", params={"userId": "1"})).json()["chats"]
         return chats if chats and chats[0]["title"] == "Fake Chat Title" else None
 
     chats = await wait_for(titled)
@@ -54,19 +54,19 @@ async def test_chats_are_listed_newest_first_per_user_and_deleted(client, fake_m
     for chat_id in ("61", "62"):
         await sse_chat(client, chat_body("q", chatId=chat_id))
     await sse_chat(client, {**chat_body("q", chatId="63"), "userId": "2"})
-    listed = (await client.get("/api/chats", params={"userId": "1"})).json()
+    listed = (await client.get("/api/chats", params={"userId": "1"})).json()["chats"]
     assert [c["id"] for c in listed] == ["62", "61"]
-    assert [c["id"] for c in (await client.get("/api/chats", params={"userId": "2"})).json()] == [
-        "63"
-    ]
+    assert [
+        c["id"] for c in (await client.get("/api/chats", params={"userId": "2"})).json()["chats"]
+    ] == ["63"]
 
     response = await client.delete("/api/chats/61")
     assert response.status_code == 200
     assert (await client.get("/api/chats/61")).status_code == 404
     assert (await client.delete("/api/chats/61")).json()["key"] == "NOT_FOUND"
-    assert [c["id"] for c in (await client.get("/api/chats", params={"userId": "1"})).json()] == [
-        "62"
-    ]
+    assert [
+        c["id"] for c in (await client.get("/api/chats", params={"userId": "1"})).json()["chats"]
+    ] == ["62"]
 
 
 async def test_history_comes_from_the_store_in_order(client, fake_model):
@@ -153,7 +153,7 @@ async def test_a_reused_message_id_is_refused(client, fake_model):
     response = await client.post(
         "/api/chat/sse", json=chat_body("two", chatId="110", messageId="111")
     )
-    assert response.status_code == 400
+    assert response.status_code == 409
     assert "messageId" in response.json()["data"]
 
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from httpx_ws import aconnect_ws
 
-from tests.client import SseEvent, answer_of, chat_body, iter_sse, wait_for
+from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
 from tests.conftest import USER
 from tests.servers import processes
 
@@ -30,20 +30,6 @@ def pair(tmp_path, redis_url, model_url):
     }
     with processes(2, env) as (a, b):
         yield a, b
-
-
-async def read_events(stream, count):
-    got = []
-    async for item in stream:
-        if isinstance(item, SseEvent):
-            got.append(item)
-            if len(got) == count:
-                break
-    return got
-
-
-async def rest(stream):
-    return [item async for item in stream if isinstance(item, SseEvent)]
 
 
 async def saved_answer(client, base_url, chat_id, status=None, timeout=5.0):
@@ -160,7 +146,7 @@ async def test_cancel_refusals(pair, fake_model):
             second = await http.post(
                 b.url + "/api/chat/sse", json=chat_body("me too", chatId="903")
             )
-            assert second.status_code == 400
+            assert second.status_code == 409 and second.json()["key"] == "BAD_REQUEST"
             assert "already running" in second.json()["data"]
             resume_other = await http.get(
                 b.url + "/api/chat/sse/resume", params={"chatId": "903", "userId": "2"}

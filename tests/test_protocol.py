@@ -74,11 +74,12 @@ def test_missing_ids_are_left_for_the_server_and_user_defaults_to_zero():
         (base(optimizationMode="fast"), "optimizationMode"),
         (base(copilotEnabled="yes"), "copilotEnabled"),
         (base(format="xml"), "format"),
-        (base(userId="12a"), "userId"),
+        (base(userId="a b"), "userId"),
         (base(userId=-1), "userId"),
         (base(userId=True), "userId"),
-        (base(userId=str(2**64)), "userId"),
-        (base(message={"content": "x", "chatId": "0"}), "chatId"),
+        (base(userId="x" * 65), "userId"),
+        (base(message={"content": "x", "chatId": "../0"}), "chatId"),
+        (base(message={"content": "x", "messageId": 1.5}), "messageId"),
         (base(history="x"), "history"),
         (base(history=[["human"]]), "history[0]"),
         (base(history=[["human", 3]]), "history[0]"),
@@ -109,10 +110,13 @@ def test_loads_refuses_bad_json_and_deep_nesting():
     assert loads(b"[" * 10 + b"]" * 10) == [[[[[[[[[[]]]]]]]]]]
 
 
-def test_ids():
-    assert parse_id("0012", "x") == "12"
-    assert parse_id(0, "x", allow_zero=True) == "0"
-    for bad in ("", "1.5", "١٢", 2**63, None, 1.0):
+def test_ids_are_opaque_strings_and_integers_become_decimal_text():
+    assert parse_id("0012", "x") == "0012"
+    assert parse_id(493612582016638976, "x") == "493612582016638976"
+    hex_id = "5c2e0d9b1f7a4c3e8d6b2a1f0e9d8c7b6a5f4e3d"  # the Perplexica UI's chat ids
+    assert parse_id(hex_id, "x") == hex_id
+    assert parse_id("a_B-9", "x") == "a_B-9"
+    for bad in ("", "1.5", "١٢", "x" * 65, "a:b", None, 1.0, True, -1):
         with pytest.raises(BadRequest):
             parse_id(bad, "x")
 

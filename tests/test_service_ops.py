@@ -229,7 +229,7 @@ async def test_two_workers_share_postgres_and_redis(
 
             results = await asyncio.gather(*(ask(i) for i in range(8)))
             assert all(events[-1].data["status"] == "completed" for events in results)
-            chats = (await http.get("/api/chats", params={"userId": "1"})).json()
+            chats = (await http.get("/api/chats", params={"userId": "1"})).json()["chats"]
             assert len(chats) == 8
             texts = {(await http.get("/metrics")).text for _ in range(6)}
             assert {

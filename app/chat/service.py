@@ -231,9 +231,9 @@ class ChatService:
         digest = hmac.new(self._link_key, question_id.encode(), hashlib.sha256)
         return digest.hexdigest()[:32]
 
-    async def list_chats(self, user_id: str) -> list[Chat]:
+    async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
         """The user's chats, newest first."""
-        return await self.store.list_chats(user_id)
+        return await self.store.list_chats(user_id, limit)
 
     async def owned_chat(self, chat_id: str, user_id: str) -> Chat:
         """A chat its user may act on. NotFound / Forbidden."""
@@ -326,10 +326,16 @@ class ChatService:
         if not await self.hub.lead("sweeper", ttl=self.sweep_interval * 3):
             return 0
         closed = 0
-        for answer in await self.store.streaming_answers(time.time() - SWEEP_GRACE):
-            if answer.id in self._generations or answer.id in self._unsaved:
-                continue
-            if await self.hub.state(answer.chat_id, answer.id) != "gone":
+        # a claim outlives a dead owner by handle_ttl: younger rows cannot be orphans yet
+        before = time.time() - max(SWEEP_GRACE, self.hub.claim_ttl)
+        candidates = [
+            answer
+            for answer in await self.store.streaming_answers(before)
+            if answer.id not in self._generations and answer.id not in self._unsaved
+        ]
+        states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
+        for answer, state in zip(candidates, states, strict=True):
+            if state != "gone":
                 continue
             logged = await self.hub.logged(answer.id)
             saved = saved_from(logged, fallback=answer)

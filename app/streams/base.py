@@ -240,6 +240,8 @@ class StreamHub(abc.ABC):
 
     #: which backend, for readiness reports
     name: str
+    #: how long a dead process's claim on a chat outlives it (0: claims die with it)
+    claim_ttl: float = 0.0
     #: this process's part: the generations it runs and the logs it keeps
     local: LocalRegistry
 
@@ -299,9 +301,10 @@ class StreamHub(abc.ABC):
         """A generation whose events are still kept, by its answer id."""
 
     @abc.abstractmethod
-    async def state(self, chat_id: str, answer_id: str) -> str:
-        """`running` (some process runs it), `gone` (none does), or `unknown` (the
-        registry cannot tell now: it is recovering from a restart)."""
+    async def states(self, answers: list[tuple[str, str]]) -> list[str]:
+        """For each (chat id, answer id): `running` (some process runs it), `gone`
+        (none does), or `unknown` (the registry cannot tell now: it is recovering
+        from a restart). One round trip for all."""
 
     @abc.abstractmethod
     async def logged(self, answer_id: str) -> list[Event]:

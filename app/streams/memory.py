@@ -55,8 +55,8 @@ class MemoryHub(StreamHub):
         log = self.local.log(answer_id)
         return log.handle if log else None
 
-    async def state(self, chat_id: str, answer_id: str) -> str:
-        return "running" if self.local.runs(answer_id) else "gone"
+    async def states(self, answers: list[tuple[str, str]]) -> list[str]:
+        return ["running" if self.local.runs(answer_id) else "gone" for _, answer_id in answers]
 
     async def logged(self, answer_id: str) -> list[Event]:
         log = self.local.log(answer_id)

@@ -123,6 +123,7 @@ class RedisHub(StreamHub):
         self.token = secrets.token_hex(8)
         self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
+        self.claim_ttl = handle_ttl
         self.flush_interval = flush_interval
         self.max_generation_ms = int(max_generation_seconds * 1000)
         self.beat_interval = min(handle_ttl / 3, 2.0)
@@ -299,17 +300,24 @@ class RedisHub(StreamHub):
             raise recovering(self._doubt_until - time.monotonic())
         return _load_handle(raw) if raw else None
 
-    async def state(self, chat_id: str, answer_id: str) -> str:
-        if self.local.runs(answer_id):
-            return "running"
+    async def states(self, answers: list[tuple[str, str]]) -> list[str]:
+        if not answers:
+            return []
         try:
-            raw = await self.redis.get(_run(chat_id))
+            claims = await self.redis.mget([_run(chat_id) for chat_id, _ in answers])
         except (RedisError, OSError):
             self._connection_lost()
-            return "unknown"
-        if raw is not None and _load_handle(raw).answer_id == answer_id:
-            return "running"
-        return "unknown" if self._doubtful() else "gone"
+            return ["unknown"] * len(answers)
+        doubtful = self._doubtful()
+        out = []
+        for (_, answer_id), raw in zip(answers, claims, strict=True):
+            if self.local.runs(answer_id) or (
+                raw is not None and _load_handle(raw).answer_id == answer_id
+            ):
+                out.append("running")
+            else:
+                out.append("unknown" if doubtful else "gone")
+        return out
 
     async def logged(self, answer_id: str) -> list[Event]:
         local = self.local.log(answer_id)
@@ -446,7 +454,7 @@ class RedisHub(StreamHub):
             try:
                 entries = _entries(await self.redis.xread({key: last_id}, block=BLOCK_MS))
                 if not entries:
-                    state = await self.state(handle.chat_id, handle.answer_id)
+                    (state,) = await self.states([(handle.chat_id, handle.answer_id)])
                     if state != "gone":
                         continue
                     # one last read: the terminal entry may have landed just now

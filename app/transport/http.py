@@ -90,7 +90,7 @@ def client_identity(request: HTTPConnection, claimed: Any) -> str:
     """The user a request acts as (PROTOCOL §7): the API key's user when auth is on (a
     different `claimed` id is Forbidden); with auth off the id the request names,
     and `"0"` when it names none — never "anyone"."""
-    claimed_id = None if claimed in (None, "") else parse_id(claimed, "userId", allow_zero=True)
+    claimed_id = None if claimed in (None, "") else parse_id(claimed, "userId")
     return Auth.resolve(request.scope.get("user_id"), claimed_id) or ANONYMOUS
 
 

@@ -26,6 +26,7 @@ from ..protocol import (
     loads,
     parse_chat_request,
     parse_control,
+    parse_id,
     render,
     render_start,
 )
@@ -249,8 +250,7 @@ async def endpoint(websocket: WebSocket) -> None:
 def _chat_id_of(body: dict[str, Any]) -> str | None:
     message = body.get("message")
     value = message.get("chatId") if isinstance(message, dict) else body.get("chatId")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, str) and value.isdigit():
-        return value
-    return None
+    try:
+        return parse_id(value, "chatId")
+    except BadRequest:
+        return None

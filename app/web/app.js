@@ -342,7 +342,7 @@ async function resumeInFlight() {
 async function refreshChats() {
   const response = await api(`/api/chats?userId=${state.userId}`);
   if (!response.ok) return;
-  const chats = await response.json();
+  const { chats } = await response.json();
   const list = $("#chats");
   list.replaceChildren();
   for (const chat of chats) {

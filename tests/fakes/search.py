@@ -65,9 +65,11 @@ class FakeSearch:
     queries: list[tuple[str, str]] = field(default_factory=list)  # (provider, query)
     pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
     base_url: str = ""
+    extra: list[dict[str, str]] = field(default_factory=list)  # results put first
 
     def reset(self) -> None:
         self.fail, self.empty, self.search_delay = 0, False, 0.0
+        self.extra.clear()
         self.page_delay.clear()
         self.broken_pages.clear()
         self.queries.clear()
@@ -89,7 +91,7 @@ class FakeSearch:
     def results(self) -> list[dict[str, str]]:
         if self.empty:
             return []
-        return [
+        return [*self.extra] + [
             {
                 "title": f"Result {n}: {TOPICS[n]}",
                 "url": f"{self.base_url}/pages/{n}",
