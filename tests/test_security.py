@@ -275,7 +275,7 @@ async def test_input_limits_say_which_limit(settings, fake_model):
                 (chat_body("q", history=[["human", "a"]] * 4), "more than 3"),
                 (chat_body("q", history=[["human", "x" * 51]]), "history[0] is longer"),
                 ({**chat_body("q"), "userId": "1" * 65}, "userId"),
-                (chat_body("q", chatId="abc"), "chatId"),
+                (chat_body("q", chatId="a/b"), "chatId"),
             ]
             for body, fragment in cases:
                 response = await http.post("/api/chat/sse", json=body)
