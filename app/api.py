@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import html
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
+import orjson
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from .chat.service import ChatService
 from .errors import BadRequest, NotFound
+from .files.extract import kind_of
+from .files.service import clean_name
 from .protocol import (
     FOCUS_MODES,
     FORMATS,
@@ -17,8 +24,10 @@ from .protocol import (
     parse_control,
     parse_history,
     parse_id,
+    parse_messages,
 )
-from .store import StoredMessage
+from .store import Chat, FileRecord, StoredMessage
+from .store.base import iso
 from .transport.http import (
     ANONYMOUS,
     client_identity,
@@ -27,6 +36,7 @@ from .transport.http import (
     json_errors,
     read_json,
 )
+from .transport.perplexica import settings_view
 
 WEB_INDEX = Path(__file__).resolve().parent / "web" / "index.html"
 
@@ -57,15 +67,59 @@ async def list_chats(request: Request) -> Response:
     limit = request.query_params.get("limit", "100")
     if not limit.isdigit() or not 1 <= int(limit) <= 1000:
         raise BadRequest("limit must be a number from 1 to 1000")
-    chats = await _service(request).list_chats(_user(request), int(limit))
-    return JSONResponse({"chats": [chat.to_json() for chat in chats]})
+    chats, files = await _service(request).list_chats(_user(request), int(limit))
+    return JSONResponse({"chats": [chat_json(chat, files.get(chat.id, [])) for chat in chats]})
 
 
 @json_errors
 async def get_chat(request: Request) -> Response:
     chat_id = parse_id(request.path_params["chat_id"], "chatId")
-    chat, messages = await _service(request).open_chat(chat_id, _user(request))
-    return JSONResponse({"chat": chat.to_json(), "messages": [m.to_json() for m in messages]})
+    chat, messages, files = await _service(request).open_chat(chat_id, _user(request))
+    questions = {m.id: m for m in messages if m.role == "user"}
+    return JSONResponse(
+        {
+            "chat": chat_json(chat, files),
+            "messages": [message_json(m, questions.get(m.reply_to or "")) for m in messages],
+        }
+    )
+
+
+def chat_json(chat: Chat, files: list[FileRecord]) -> dict[str, Any]:
+    """A chat as PROTOCOL §6 shows it."""
+    return {
+        "id": chat.id,
+        "userId": chat.user_id,
+        "title": chat.title,
+        "focusMode": chat.focus_mode,
+        "createdAt": iso(chat.created_at),
+        "files": [{"fileId": f.id, "name": f.name} for f in files],
+    }
+
+
+def message_json(message: StoredMessage, question: StoredMessage | None) -> dict[str, Any]:
+    """A message as PROTOCOL §6 shows it: an answer carries its question's sources, and
+    `metadata` is a JSON string (the Perplexica UI parses it)."""
+    sources = question.sources if question is not None else message.sources
+    created = iso(message.created_at)
+    out: dict[str, Any] = {
+        "id": message.id,
+        "messageId": message.id,
+        "chatId": message.chat_id,
+        "role": message.role,
+        "content": message.content,
+        "sources": sources,
+        "status": message.status,
+        "createdAt": created,
+        "metadata": orjson.dumps(
+            {"createdAt": created, "sources": sources if message.role == "assistant" else []}
+        ).decode(),
+    }
+    if message.role == "assistant":
+        out["reasoning"] = message.reasoning
+        out["questionMessageId"] = message.reply_to
+    elif message.rewritten is not None:
+        out["rewritten"] = message.rewritten
+    return out
 
 
 @json_errors
@@ -114,9 +168,12 @@ def safe_url(url: str) -> bool:
 
 
 async def config(request: Request) -> Response:
+    """`GET /api/config`: what clients may choose (never a key), with what the
+    Perplexica UI's settings page reads."""
     settings = request.app.state.settings
     return JSONResponse(
         {
+            **settings_view(settings),
             "focusModes": list(FOCUS_MODES),
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
@@ -136,11 +193,14 @@ async def suggestions(request: Request) -> Response:
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")
+    limits = settings.limits
     history = parse_history(
-        body.get("history"),
-        settings.limits.max_history_messages,
-        settings.limits.max_content_chars,
+        body.get("history"), limits.max_history_messages, limits.max_content_chars
     )
+    if history is None and body.get("chatHistory") is not None:  # the Perplexica UI's
+        history = parse_messages(
+            body["chatHistory"], limits.max_history_messages, limits.max_content_chars
+        )
     chat_id = body.get("chatId")
     if history is None and chat_id in (None, ""):
         raise BadRequest("send chatId or history")
@@ -196,3 +256,107 @@ async def metrics(request: Request) -> Response:
 async def web_client(request: Request) -> Response:
     """The browser client (static files under /static)."""
     return FileResponse(WEB_INDEX, headers={"Cache-Control": "no-cache", **HTML_HEADERS})
+
+
+# -- uploads ------------------------------------------------------------------------------
+
+MAX_FILES_PER_UPLOAD = 10
+
+
+@json_errors
+async def upload(request: Request) -> Response:
+    """`POST /api/uploads` (multipart `files`, one part per file): each file read,
+    chunked and indexed, owned by the uploader → `{"files": [{fileName,
+    fileExtension, fileId, …}]}`. A file it will not take is a 4xx naming it, and
+    nothing of that request is kept. `?wait=false` answers 202 at once (`status:
+    indexing`); poll `GET /api/uploads/{fileId}`."""
+    settings = request.app.state.settings
+    limit = settings.uploads.max_file_bytes * MAX_FILES_PER_UPLOAD
+    form = await read_form(request, limit)
+    try:
+        parts = [p for p in form.getlist("files") if isinstance(p, UploadFile)]
+        if not parts:
+            raise BadRequest("send the files as multipart form parts named 'files'")
+        if len(parts) > MAX_FILES_PER_UPLOAD:
+            raise BadRequest(f"at most {MAX_FILES_PER_UPLOAD} files per upload")
+        claimed = form.get("userId") or request.query_params.get("userId")
+        user_id = client_identity(request, claimed if isinstance(claimed, str) else None)
+        await count_request(request)
+        files = [(clean_name(p.filename or "file"), await p.read()) for p in parts]
+    finally:
+        await form.close()
+    service = _service(request)
+    for name, data in files:  # refuse the whole upload before storing any of it
+        kind_of(name)
+        if len(data) > settings.uploads.max_file_bytes:
+            raise BadRequest(
+                f"{name!r} is larger than {settings.uploads.max_file_bytes} bytes", status=413
+            )
+    wait = request.query_params.get("wait", "true").lower() not in ("false", "0", "no")
+    if wait:
+        records = [await service.files.upload(user_id, name, data) for name, data in files]
+    else:
+        records = [
+            await service.files.upload_later(user_id, name, data, service.spawn)
+            for name, data in files
+        ]
+    return JSONResponse(
+        {
+            "files": [
+                {
+                    "fileName": r.name,
+                    "fileExtension": r.extension,
+                    "fileId": r.id,
+                    **r.to_json(),
+                }
+                for r in records
+            ]
+        },
+        status_code=200 if wait else 202,
+    )
+
+
+async def read_form(request: Request, limit: int) -> FormData:
+    """A multipart body of at most `limit` bytes (413 past it, read to its end first)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await read_json(request, limit)  # reads it to its end, then says 413
+    size = 0
+
+    async def bounded() -> AsyncGenerator[bytes, None]:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"upload is larger than {limit} bytes", status=413)
+            yield chunk
+
+    if "multipart/form-data" not in request.headers.get("content-type", ""):
+        raise BadRequest("send the files as multipart/form-data", status=415)
+    try:
+        parser = MultiPartParser(
+            request.headers, bounded(), max_files=MAX_FILES_PER_UPLOAD, max_fields=20
+        )
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise BadRequest(f"the upload is not valid multipart: {exc.message}") from exc
+
+
+@json_errors
+async def list_uploads(request: Request) -> Response:
+    files = await _service(request).files.list_files(_user(request))
+    return JSONResponse({"files": [f.to_json() for f in files]})
+
+
+@json_errors
+async def get_upload(request: Request) -> Response:
+    file_id = parse_id(request.path_params["file_id"], "fileId")
+    record = await _service(request).files.owned(_user(request), file_id)
+    return JSONResponse(record.to_json())
+
+
+@json_errors
+async def delete_upload(request: Request) -> Response:
+    file_id = parse_id(request.path_params["file_id"], "fileId")
+    await _service(request).files.delete(_user(request), file_id)
+    return JSONResponse({"fileId": file_id, "deleted": True})

@@ -103,6 +103,17 @@ class ResearchSettings:
 
 
 @dataclass(frozen=True)
+class UploadSettings:
+    max_file_bytes: int = 50 * 1024 * 1024
+    max_pages: int = 2000
+    chunk_tokens: int = 300
+    chunk_overlap_tokens: int = 50
+    extract_timeout_seconds: float = 120.0
+    passages: int = 8  # the most file passages given to the model per question
+    embed_batch: int = 64
+
+
+@dataclass(frozen=True)
 class StoreSettings:
     url: str = "sqlite:///data/chat.db"
 
@@ -147,6 +158,7 @@ class Settings:
     google: GoogleSettings = field(default_factory=GoogleSettings)
     reader: ReaderSettings = field(default_factory=ReaderSettings)
     research: ResearchSettings = field(default_factory=ResearchSettings)
+    uploads: UploadSettings = field(default_factory=UploadSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     stream: StreamSettings = field(default_factory=StreamSettings)

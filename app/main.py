@@ -22,6 +22,7 @@ from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
+from .files.service import FileService
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
 from .llm import Embedder, LLMClient
@@ -31,7 +32,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import sse, ws
+from .transport import perplexica, sse, ws
 from .transport.http import AuthMiddleware
 
 if TYPE_CHECKING:
@@ -72,14 +73,16 @@ async def open_service(
         stack.push_async_callback(embedder.aclose)
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
         stack.push_async_callback(search.aclose)
+        ids = Snowflake()
         service = ChatService(
             settings,
             store=the_store,
             hub=hub,
             llm=the_llm,
             prompts=the_prompts,
-            ids=Snowflake(),
+            ids=ids,
             search=search,
+            files=FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids),
             research=DeepResearch(
                 settings.research, search=search, llm=the_llm, prompts=the_prompts
             ),
@@ -147,7 +150,18 @@ def create_app(
         Route("/api/chats/{chat_id}", api.delete_chat, methods=["DELETE"]),
         Route("/sources/{message_id}", api.sources, methods=["GET"]),
         Route("/api/config", api.config, methods=["GET"]),
+        Route("/api/config", perplexica.save_config, methods=["POST"]),
         Route("/api/suggestions", api.suggestions, methods=["POST"]),
+        Route("/api/uploads", api.upload, methods=["POST"]),
+        Route("/api/uploads", api.list_uploads, methods=["GET"]),
+        Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),
+        Route("/api/uploads/{file_id}", api.delete_upload, methods=["DELETE"]),
+        # the Perplexica web UI (PROTOCOL §9)
+        Route("/api/models", perplexica.models, methods=["GET"]),
+        Route("/api/images", perplexica.images, methods=["POST"]),
+        Route("/api/videos", perplexica.videos, methods=["POST"]),
+        Route("/api/discover", perplexica.discover, methods=["GET"]),
+        Route("/api/search", perplexica.search, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

@@ -20,6 +20,12 @@ NAMES = (
     "research_plan",
     "research_reflect",
     "research_report",
+    "academic_search",
+    "youtube_search",
+    "reddit_search",
+    "wolfram_alpha_search",
+    "files_response",
+    "instructions",
 )
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 

@@ -27,6 +27,9 @@ FOCUS_MODES = tuple(MODES)
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_FILES = 50
+#: history roles → the model's roles (PROTOCOL §1)
+ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 MAX_JSON_DEPTH = 32
 
 
@@ -42,7 +45,9 @@ class ChatRequest:
     copilot_enabled: bool = True
     optimization_mode: str = "speed"
     history: tuple[tuple[str, str], ...] | None = None
-    files: tuple[Any, ...] = ()
+    files: tuple[str, ...] = ()
+    instructions: str = ""  # extra instructions for the model (Perplexica's systemInstructions)
+    model: str | None = None  # a configured chat model the client picked
     format: str = "default"
     host: str = ""  # the Host the request came to (for links), set by the transport
     transport: str = ""  # "sse" or "ws", for logs and metrics only
@@ -139,8 +144,16 @@ def parse_chat_request(
     files = body.get("files", [])
     if files is None:
         files = []
-    if not isinstance(files, list):
-        raise BadRequest("files must be a list")
+    if not isinstance(files, list) or len(files) > MAX_FILES:
+        raise BadRequest(f"files must be a list of at most {MAX_FILES} file ids")
+    instructions = body.get("systemInstructions", "")
+    if not isinstance(instructions, str) or len(instructions) > max_content_chars:
+        raise BadRequest(
+            f"systemInstructions must be a string of at most {max_content_chars} characters"
+        )
+    history = parse_history(body.get("history"), max_history_messages, max_content_chars)
+    if history and history[-1] == ("user", content):
+        history = history[:-1]  # the question itself, as the Perplexica UI sends it
 
     return ChatRequest(
         user_id=parse_id(user_id, "userId") if user_id not in (None, "") else "0",
@@ -152,8 +165,9 @@ def parse_chat_request(
         focus_mode=focus_mode,
         copilot_enabled=copilot,
         optimization_mode=optimization_mode,
-        history=parse_history(body.get("history"), max_history_messages, max_content_chars),
-        files=tuple(files),
+        history=history,
+        files=tuple(dict.fromkeys(parse_id(f, "files[]") for f in files)),
+        instructions=instructions.strip(),
         format=fmt,
         host=host,
         transport=transport,
@@ -163,7 +177,8 @@ def parse_chat_request(
 def parse_history(
     value: Any, max_messages: int, max_chars: int
 ) -> tuple[tuple[str, str], ...] | None:
-    """`[[role, text], ...]` as (`user` | `assistant`, text) pairs; None when absent."""
+    """`[[role, text], ...]` as (`user` | `assistant`, text) pairs; None when absent.
+    Roles: `human` or `user`, `ai` or `assistant` (PROTOCOL §1)."""
     if value is None:
         return None
     if not isinstance(value, list):
@@ -178,9 +193,28 @@ def parse_history(
             or not all(isinstance(part, str) for part in item)
         ):
             raise BadRequest(f"history[{i}] must be a [role, text] pair of strings")
+        role = ROLES.get(item[0])
+        if role is None:
+            raise BadRequest(f"history[{i}] role must be one of {', '.join(ROLES)}")
         if len(item[1]) > max_chars:
             raise BadRequest(f"history[{i}] is longer than {max_chars} characters")
-        pairs.append(("user" if item[0] == "human" else "assistant", item[1]))
+        pairs.append((role, item[1]))
+    return tuple(pairs)
+
+
+def parse_messages(value: Any, max_messages: int, max_chars: int) -> tuple[tuple[str, str], ...]:
+    """A conversation given as `[{"role", "content"}, ...]` (the Perplexica UI's
+    `chatHistory`, OpenAI's `messages`) as (`user` | `assistant`, text) pairs; other
+    roles (system) and other fields are left out."""
+    if not isinstance(value, list):
+        raise BadRequest("the conversation must be a list of {role, content} objects")
+    pairs = []
+    for i, item in enumerate(value[-max_messages:]):
+        if not isinstance(item, dict) or not isinstance(item.get("content"), str):
+            raise BadRequest(f"message {i} must be an object with a string content")
+        role = ROLES.get(str(item.get("role")))
+        if role is not None and item["content"]:
+            pairs.append((role, item["content"][:max_chars]))
     return tuple(pairs)
 
 
@@ -329,6 +363,16 @@ class Encoder(abc.ABC, Generic[Chunk]):
 
     @abc.abstractmethod
     def encode(self, events: Sequence[Event]) -> Chunk | None: ...
+
+
+class Events(Encoder[Sequence[Event]]):
+    """No wire format: the events themselves, for server-side readers of a generation
+    (Perplexica's whole-answer `/api/search`, OpenAI's non-streaming completion)."""
+
+    name = "events"
+
+    def encode(self, events: Sequence[Event]) -> Sequence[Event]:
+        return events
 
 
 def error_body(exc: AppError, **extra: Any) -> dict[str, Any]:

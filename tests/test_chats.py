@@ -148,10 +148,10 @@ async def test_a_chat_of_another_user_is_refused(client, fake_model):
     assert (await client.get("/api/chats/100", params={"userId": "2"})).status_code == 403
 
 
-async def test_a_reused_message_id_is_refused(client, fake_model):
+async def test_a_message_id_of_another_chat_is_refused(client, fake_model):
     await sse_chat(client, chat_body("one", chatId="110", messageId="111"))
     response = await client.post(
-        "/api/chat/sse", json=chat_body("two", chatId="110", messageId="111")
+        "/api/chat/sse", json=chat_body("two", chatId="112", messageId="111")
     )
     assert response.status_code == 409
     assert "messageId" in response.json()["data"]

@@ -65,7 +65,7 @@ async def test_a_plain_answer_is_numbered_events_from_empty_message_to_end(servi
         (8, "message", {"data": "tok4 "}),
         (9, "messageEnd", {"status": "completed", "questionMessageId": "101"}),
     ]
-    _chat, messages = await service.open_chat("100", "1")
+    _chat, messages, _files = await service.open_chat("100", "1")
     assert [(m.role, m.content, m.status) for m in messages] == [
         ("user", "hello", "completed"),
         ("assistant", "tok0 tok1 tok2 tok3 tok4 ", "completed"),
@@ -110,7 +110,7 @@ async def test_a_model_error_ends_with_an_error_event_and_a_failed_answer(servic
         (1, "message", {"data": ""}),
         (2, "error", {"key": "STREAM_ERROR", "data": "the model answered 503: fake failure 503"}),
     ]
-    _chat, messages = await service.open_chat("300", "1")
+    _chat, messages, _files = await service.open_chat("300", "1")
     assert messages[-1].status == "failed"
 
 
@@ -129,7 +129,7 @@ async def test_cancel_mid_answer_ends_cancelled_and_keeps_the_partial_answer(ser
         {"status": "cancelled", "questionMessageId": handle.question_id},
     )
     assert (await fake_model.wait_stream_end()).outcome == "client_closed"
-    _chat, messages = await service.open_chat("400", "1")
+    _chat, messages, _files = await service.open_chat("400", "1")
     answer = messages[-1]
     assert answer.status == "cancelled"
     assert answer.content.startswith("tok0 tok1 tok2 ") and "tok399" not in answer.content
@@ -142,7 +142,7 @@ async def test_a_cancel_before_the_body_starts_ends_at_once(service, fake_model)
         (1, "messageEnd", {"status": "cancelled", "questionMessageId": "501"})
     ]
     assert fake_model.streamed_requests() == []
-    _chat, messages = await service.open_chat("500", "1")
+    _chat, messages, _files = await service.open_chat("500", "1")
     assert [(m.role, m.status) for m in messages] == [
         ("user", "completed"),
         ("assistant", "cancelled"),

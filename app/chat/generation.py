@@ -21,7 +21,7 @@ from ..llm import Message
 from ..protocol import ChatRequest
 from ..search.base import SearchResult
 from ..search.web import context_of, source_entries
-from ..store import Saved
+from ..store import FileRecord, Saved
 from ..streams import Handle, LogWriter
 from .modes import MODES, PLAIN_PROMPT, SourceJob
 
@@ -46,12 +46,16 @@ class Generation:
         *,
         new_chat: bool,
         out: LogWriter,
+        files: list[FileRecord] | None = None,
+        regenerate: bool = False,
     ) -> None:
         self.service = service
         self.request = request
         self.handle = handle
         self.new_chat = new_chat
         self.out = out
+        self.files = files or []
+        self.regenerate = regenerate
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.rewritten: str | None = None
@@ -105,7 +109,7 @@ class Generation:
 
     async def _generate(self) -> None:
         svc, req = self.service, self.request
-        if req.history is not None:
+        if req.history is not None and not self.regenerate:
             history = list(req.history)
         elif self.new_chat:
             history = []  # nothing to read back
@@ -124,7 +128,7 @@ class Generation:
         emit, content, reasoning = self.out.emit, self.content, self.reasoning
         emit("message", data="")
         requested = time.monotonic()
-        async for delta in svc.llm.stream(messages):
+        async for delta in svc.llm.stream(messages, model=req.model):
             if not self.first_token_at and delta.kind != "keepalive":
                 self.first_token_at = time.monotonic()
                 svc.metrics.upstream_latency.observe(self.first_token_at - requested)
@@ -140,20 +144,45 @@ class Generation:
                 self.out.keepalive()
 
     async def _system_prompt(self, question: str) -> str:
+        """The mode's prompt with the sources it found (and the request's extra
+        instructions). Web results and passages of the chat's files are ranked
+        together; with web search off (copilot off, or a mode without it) the files
+        alone are the sources."""
+        system = await self._grounded_prompt(question)
+        if self.request.instructions:
+            system += self.service.prompts.render(
+                "instructions", instructions=self.request.instructions
+            )
+        return system
+
+    async def _grounded_prompt(self, question: str) -> str:
         svc, req = self.service, self.request
         mode = MODES[req.focus_mode]
         date = datetime.now(UTC).isoformat(timespec="seconds")
-        if mode.sources is None:
-            return svc.prompts.render(mode.prompt, date=date)
-        if not mode.sources.applies(req):
-            return svc.prompts.render(PLAIN_PROMPT, date=date)
-        job = SourceJob(self.out, question, req, svc.search, svc.research)
-        results = await mode.sources.find(job)
+        web = mode.sources is not None and mode.sources.applies(req)
+        if not web and not self.files:
+            prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
+            return svc.prompts.render(prompt, date=date)
+        results = []
+        if web and mode.sources is not None:
+            job = SourceJob(self.out, question, req, svc.search, svc.research, self.files)
+            results = await mode.sources.find(job)
+        if self.files and not (mode.sources and mode.sources.reads_files):
+            results = await self._with_files(question, results)
         if not results:
             self.out.emit("progress", data="answering without sources")
             return svc.prompts.render(PLAIN_PROMPT, date=date)
         await self._send_sources(results)
-        return svc.prompts.render(mode.prompt, date=date, context=context_of(results))
+        prompt = mode.prompt if web else "files_response"
+        return svc.prompts.render(prompt, date=date, context=context_of(results))
+
+    async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
+        svc = self.service
+        names = ", ".join(f.name for f in self.files[:3]) + ("…" if len(self.files) > 3 else "")
+        self.out.emit("progress", data=f"searching your files: {names}")
+        k = svc.settings.uploads.passages
+        passages = await svc.files.passages(self.files, question, k)
+        return await svc.files.rank_together(question, web, passages, k + len(web))
 
     async def _send_sources(self, results: list[SearchResult]) -> None:
         """Save the sources on the question, then send them with the "All Sources" link.

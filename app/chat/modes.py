@@ -13,10 +13,13 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..search.base import SearchScope
+
 if TYPE_CHECKING:
     from ..protocol import ChatRequest
     from ..search.base import SearchResult
     from ..search.web import Progress, WebSearch
+    from ..store import FileRecord
     from .research import DeepResearch
 
 
@@ -29,10 +32,15 @@ class SourceJob:
     request: ChatRequest
     web: WebSearch
     research: DeepResearch
+    files: list[FileRecord]
 
 
 class Sources(abc.ABC):
     """Where a mode's sources come from."""
+
+    #: whether `find` searches the request's files itself (else the generation adds
+    #: their passages to what it found)
+    reads_files = False
 
     def applies(self, request: ChatRequest) -> bool:
         """Whether this request wants sources at all."""
@@ -45,13 +53,19 @@ class Sources(abc.ABC):
 
 
 class WebSources(Sources):
-    """Web search ranked and read by the request's optimization mode; off with copilot off."""
+    """Web search — all of it, or kept to `scope` — ranked and read by the request's
+    optimization mode; off with copilot off."""
+
+    def __init__(self, scope: SearchScope | None = None) -> None:
+        self.scope = scope
 
     def applies(self, request: ChatRequest) -> bool:
         return request.copilot_enabled
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.web.find_sources(job.out, job.question, job.request.optimization_mode)
+        return await job.web.find_sources(
+            job.out, job.question, job.request.optimization_mode, scope=self.scope
+        )
 
 
 class ResearchSources(Sources):
@@ -74,6 +88,16 @@ class FocusMode:
 #: the plain-chat prompt, for a mode whose sources do not apply or found nothing
 PLAIN_PROMPT = "deepseek"
 
+#: the restricted webs of Perplexica's focus modes: SearxNG engines, else sites
+ACADEMIC = SearchScope(
+    "academic sources",
+    engines=("arxiv", "google scholar", "pubmed"),
+    sites=("arxiv.org", "scholar.google.com", "pubmed.ncbi.nlm.nih.gov"),
+)
+YOUTUBE = SearchScope("YouTube", engines=("youtube",), sites=("youtube.com",))
+REDDIT = SearchScope("Reddit", engines=("reddit",), sites=("reddit.com",))
+WOLFRAM_ALPHA = SearchScope("Wolfram Alpha", engines=("wolframalpha",), sites=("wolframalpha.com",))
+
 MODES: dict[str, FocusMode] = {
     mode.name: mode
     for mode in (
@@ -83,5 +107,9 @@ MODES: dict[str, FocusMode] = {
         FocusMode("mathAssistant", "math_assistant"),
         FocusMode("writingAssistant", "writing_assistant"),
         FocusMode("deepResearch", "research_report", ResearchSources()),
+        FocusMode("academicSearch", "academic_search", WebSources(ACADEMIC)),
+        FocusMode("youtubeSearch", "youtube_search", WebSources(YOUTUBE)),
+        FocusMode("redditSearch", "reddit_search", WebSources(REDDIT)),
+        FocusMode("wolframAlphaSearch", "wolfram_alpha_search", WebSources(WOLFRAM_ALPHA)),
     )
 }

@@ -21,18 +21,19 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from ..config import Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
+from ..files.service import FileService
 from ..ids import Snowflake
 from ..llm import LLMClient
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
 from ..protocol import ChatRequest, Encoder, Event, parse_event_id
 from ..search.web import WebSearch
-from ..store import Chat, Saved, Store, StoredMessage
-from ..store.base import taken
+from ..store import Chat, FileRecord, Saved, Store, StoredMessage
 from ..streams import Handle, LogWriter, StreamHub
 from .generation import TITLE_MAX_CHARS, Generation
 from .research import DeepResearch
@@ -57,6 +58,7 @@ class ChatService:
         ids: Snowflake,
         search: WebSearch,
         research: DeepResearch,
+        files: FileService,
         metrics: Metrics,
     ) -> None:
         self.settings = settings
@@ -67,6 +69,7 @@ class ChatService:
         self.ids = ids
         self.search = search
         self.research = research
+        self.files = files
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
@@ -82,12 +85,15 @@ class ChatService:
     async def start(self, request: ChatRequest) -> Handle:
         """Begin a generation; returns once its question is saved and its task started.
 
-        In order: the chat's owner is checked, the chat is claimed in the registry
-        (`Conflict` while it runs a generation, `RateLimited` past the cap), then
-        the question and the answer's row are saved in one transaction — the
-        store's unique key makes a `messageId` sent twice at once (a double click,
-        two processes) start one answer, and `Conflict` the other. Raises
-        `AppError`; then nothing was started.
+        In order: the chat's owner and the request's files are checked, the chat is
+        claimed in the registry (`Conflict` while it runs a generation,
+        `RateLimited` past the cap), then the question and the answer's row are
+        saved in one transaction — the store's unique key makes a `messageId` sent
+        twice at once (a double click, two processes) start one answer, and
+        `Conflict` the other. A `messageId` that is a question of this chat already
+        regenerates it: its answer and every later message go, and it is answered
+        again from the chat's history before it (PROTOCOL §1). Raises `AppError`;
+        then nothing was started.
         """
         if not self.accepting:
             raise Unavailable("the server is shutting down")
@@ -98,8 +104,14 @@ class ChatService:
         chat = await self.store.get_chat(chat_id) if request.chat_id else None
         if chat is not None:
             self.authorize(chat.user_id, request.user_id)
-        if request.message_id and await self.store.get_message(question_id):
-            raise taken("message.messageId")
+        asked = await self.store.get_message(question_id) if request.message_id else None
+        if asked is not None and (asked.chat_id != chat_id or asked.role != "user"):
+            raise Conflict("message.messageId is used in another chat")
+        files = await self.files.usable(request.user_id, request.files)
+        if chat is not None:
+            known = {f.id for f in files}
+            attached = (await self.store.chat_files([chat_id])).get(chat_id, [])
+            files += [f for f in attached if f.id not in known and f.status == "ready"]
         handle = Handle(
             chat_id=chat_id,
             answer_id=self.ids.next_str(),
@@ -115,25 +127,38 @@ class ChatService:
         )
         now = time.time()
         title = request.content.strip().splitlines()[0][:TITLE_MAX_CHARS]
+        question = StoredMessage(question_id, chat_id, "user", request.content, now)
+        if asked is not None:  # keeps its place in the chat; its text may be edited
+            question = replace(question, created_at=asked.created_at)
         try:
             created = await self.store.begin_answer(
                 chat or Chat(chat_id, request.user_id, title, request.focus_mode, now),
-                StoredMessage(question_id, chat_id, "user", request.content, now),
+                question,
                 # after its question, whatever the ids (clients may pick them)
                 StoredMessage(
                     handle.answer_id,
                     chat_id,
                     "assistant",
                     "",
-                    now + 0.000001,
+                    max(now, question.created_at + 0.000001),
                     status="streaming",
                     reply_to=question_id,
                 ),
+                regenerate=asked is not None,
+                files=list(request.files),
             )
         except BaseException:
             await self.hub.abandon(handle)
             raise
-        generation = Generation(self, request, handle, new_chat=created, out=LogWriter(log_))
+        generation = Generation(
+            self,
+            request,
+            handle,
+            new_chat=created,
+            out=LogWriter(log_),
+            files=files,
+            regenerate=asked is not None,
+        )
         self._generations[handle.answer_id] = generation
         run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
         self._runs.add(run)
@@ -231,9 +256,12 @@ class ChatService:
         digest = hmac.new(self._link_key, question_id.encode(), hashlib.sha256)
         return digest.hexdigest()[:32]
 
-    async def list_chats(self, user_id: str, limit: int = 100) -> list[Chat]:
-        """The user's chats, newest first."""
-        return await self.store.list_chats(user_id, limit)
+    async def list_chats(
+        self, user_id: str, limit: int = 100
+    ) -> tuple[list[Chat], dict[str, list[FileRecord]]]:
+        """The user's chats, newest first, and the files attached to each."""
+        chats = await self.store.list_chats(user_id, limit)
+        return chats, await self.store.chat_files([c.id for c in chats])
 
     async def owned_chat(self, chat_id: str, user_id: str) -> Chat:
         """A chat its user may act on. NotFound / Forbidden."""
@@ -243,10 +271,13 @@ class ChatService:
         self.authorize(chat.user_id, user_id)
         return chat
 
-    async def open_chat(self, chat_id: str, user_id: str) -> tuple[Chat, list[StoredMessage]]:
-        """A chat and its messages in order."""
+    async def open_chat(
+        self, chat_id: str, user_id: str
+    ) -> tuple[Chat, list[StoredMessage], list[FileRecord]]:
+        """A chat, its messages in order, and its files."""
         chat = await self.owned_chat(chat_id, user_id)
-        return chat, await self.store.list_messages(chat.id)
+        files = (await self.store.chat_files([chat.id])).get(chat.id, [])
+        return chat, await self.store.list_messages(chat.id), files
 
     async def delete_chat(self, chat_id: str, user_id: str) -> None:
         """Delete a chat and its messages; Conflict while it generates."""

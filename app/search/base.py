@@ -13,12 +13,16 @@ from ..errors import SearchError
 
 @dataclass(frozen=True, slots=True)
 class SearchResult:
-    """One hit. `content` is the page's text once read (else empty: use `snippet`)."""
+    """One hit. `content` is the page's text once read (else empty: use `snippet`).
+    A passage of an uploaded file has its `file_id` (and `page`, 1-based, in a PDF);
+    its `url` is "File", as the Perplexica UI expects of file sources."""
 
     title: str
     url: str
     snippet: str = ""
     content: str = ""
+    file_id: str = ""
+    page: int = 0
 
     @property
     def text(self) -> str:
@@ -28,9 +32,39 @@ class SearchResult:
         return replace(self, content=content)
 
 
+@dataclass(frozen=True, slots=True)
+class SearchScope:
+    """A web search kept to some sources: SearxNG runs `engines`, the others search
+    `sites` (a focus mode such as academicSearch or redditSearch)."""
+
+    name: str
+    engines: tuple[str, ...] = ()
+    sites: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MediaResult:
+    """An image, or a video: `img_src` the picture (a video's thumbnail), `url` the page
+    it is on, `iframe_src` a video's embeddable player."""
+
+    title: str
+    url: str
+    img_src: str
+    iframe_src: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NewsItem:
+    title: str
+    url: str
+    content: str
+    thumbnail: str
+
+
 class SearchProvider(abc.ABC):
     """A web search API. `search` raises `SearchError` (no key, unreachable, non-2xx,
-    unexpected body); an empty list means it found nothing."""
+    unexpected body); an empty list means it found nothing. Images, videos and news
+    are [] for a provider that has none of them."""
 
     name: str
 
@@ -38,7 +72,18 @@ class SearchProvider(abc.ABC):
         self.http = http
 
     @abc.abstractmethod
-    async def search(self, query: str, limit: int) -> list[SearchResult]: ...
+    async def search(
+        self, query: str, limit: int, scope: SearchScope | None = None
+    ) -> list[SearchResult]: ...
+
+    async def images(self, query: str, limit: int) -> list[MediaResult]:
+        return []
+
+    async def videos(self, query: str, limit: int) -> list[MediaResult]:
+        return []
+
+    async def news(self, query: str, limit: int) -> list[NewsItem]:
+        return []
 
     async def _json(self, request: httpx.Request) -> Any:
         """Send and decode, mapping every transport and status failure to SearchError."""
@@ -52,6 +97,27 @@ class SearchProvider(abc.ABC):
             return response.json()
         except ValueError as exc:
             raise SearchError(f"{self.name} answered with a body that is not JSON") from exc
+
+
+def text(value: Any) -> str:
+    """A field of a provider's answer as text ("" for a missing or non-string one)."""
+    return value if isinstance(value, str) else ""
+
+
+def absolute(url: Any) -> str:
+    """An absolute http(s) URL, or "" (a page may only load those)."""
+    url = text(url)
+    if url.startswith("//"):
+        url = "https:" + url
+    return url if url.startswith(("http://", "https://")) else ""
+
+
+def site_query(query: str, scope: SearchScope | None) -> str:
+    """The query kept to the scope's sites with `site:` operators (providers without
+    engines)."""
+    if scope is None or not scope.sites:
+        return query
+    return f"{query} ({' OR '.join(f'site:{site}' for site in scope.sites)})"
 
 
 def results_from(

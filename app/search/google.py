@@ -1,12 +1,27 @@
-"""Google Custom Search: `GET {google.base_url}/customsearch/v1?key=…&cx=…&q=…`."""
+"""Google Custom Search: `GET {google.base_url}/customsearch/v1?key=…&cx=…&q=…`.
+
+Focus modes that keep to some sources add `site:` operators to the query;
+images are `searchType=image` (Google has no video or news search here).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 
 from ..config import GoogleSettings
 from ..errors import SearchError
-from .base import SearchProvider, SearchResult, results_from
+from .base import (
+    MediaResult,
+    SearchProvider,
+    SearchResult,
+    SearchScope,
+    absolute,
+    results_from,
+    site_query,
+    text,
+)
 
 
 class GoogleSearch(SearchProvider):
@@ -16,7 +31,7 @@ class GoogleSearch(SearchProvider):
         super().__init__(http)
         self.settings = settings
 
-    async def search(self, query: str, limit: int) -> list[SearchResult]:
+    async def _items(self, query: str, limit: int, **params: str) -> list[Any]:
         if not (self.settings.api_key and self.settings.cse_id):
             raise SearchError("Google search needs google.api_key and google.cse_id")
         request = self.http.build_request(
@@ -27,12 +42,32 @@ class GoogleSearch(SearchProvider):
                 "cx": self.settings.cse_id,
                 "q": query,
                 "num": min(limit, 10),
+                **params,
             },
         )
         body = await self._json(request)
         if not isinstance(body, dict):
             raise SearchError("Google answered with an unexpected body")
         # no "items" at all is how Google says "no results"
+        items = body.get("items", [])
+        return items if isinstance(items, list) else []
+
+    async def search(
+        self, query: str, limit: int, scope: SearchScope | None = None
+    ) -> list[SearchResult]:
+        items = await self._items(site_query(query, scope), limit)
         return results_from(
-            body.get("items", []), title="title", url="link", snippet="snippet", provider=self.name
+            items, title="title", url="link", snippet="snippet", provider=self.name
         )[:limit]
+
+    async def images(self, query: str, limit: int) -> list[MediaResult]:
+        found = []
+        for item in await self._items(query, limit, searchType="image"):
+            if not isinstance(item, dict):
+                continue
+            image = item.get("image")
+            context = image.get("contextLink") if isinstance(image, dict) else None
+            src, page = absolute(item.get("link")), absolute(context)
+            if src:
+                found.append(MediaResult(text(item.get("title")), page or src, src))
+        return found[:limit]

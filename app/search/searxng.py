@@ -1,12 +1,27 @@
-"""SearxNG: `GET {searxng.url}/search?q=…&format=json` (JSON output enabled on the instance)."""
+"""SearxNG: `GET {searxng.url}/search?q=…&format=json` (JSON output enabled on the instance).
+
+Focus modes that keep to some sources pass SearxNG engines (`engines=arxiv,…`);
+images, videos and news are its `images`, `videos` and `news` categories.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 
 from ..config import SearxngSettings
 from ..errors import SearchError
-from .base import SearchProvider, SearchResult, results_from
+from .base import (
+    MediaResult,
+    NewsItem,
+    SearchProvider,
+    SearchResult,
+    SearchScope,
+    absolute,
+    results_from,
+    text,
+)
 
 
 class SearxngSearch(SearchProvider):
@@ -16,14 +31,53 @@ class SearxngSearch(SearchProvider):
         super().__init__(http)
         self.settings = settings
 
-    async def search(self, query: str, limit: int) -> list[SearchResult]:
+    async def _results(self, **params: str) -> list[Any]:
         if not self.settings.url:
             raise SearchError("no SearxNG instance is configured (searxng.url)")
         request = self.http.build_request(
-            "GET", self.settings.url.rstrip("/") + "/search", params={"q": query, "format": "json"}
+            "GET", self.settings.url.rstrip("/") + "/search", params={**params, "format": "json"}
         )
         body = await self._json(request)
         items = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            raise SearchError("SearxNG answered without a result list")
+        return [item for item in items if isinstance(item, dict)]
+
+    async def search(
+        self, query: str, limit: int, scope: SearchScope | None = None
+    ) -> list[SearchResult]:
+        params = {"q": query}
+        if scope is not None and scope.engines:
+            params["engines"] = ",".join(scope.engines)
+        items = await self._results(**params)
         return results_from(items, title="title", url="url", snippet="content", provider=self.name)[
             :limit
         ]
+
+    async def images(self, query: str, limit: int) -> list[MediaResult]:
+        found = []
+        for item in await self._results(q=query, categories="images"):
+            img = absolute(item.get("img_src")) or absolute(item.get("thumbnail_src"))
+            if img and absolute(item.get("url")):
+                found.append(MediaResult(text(item.get("title")), item["url"], img))
+        return found[:limit]
+
+    async def videos(self, query: str, limit: int) -> list[MediaResult]:
+        found = []
+        for item in await self._results(q=query, categories="videos"):
+            thumbnail = absolute(item.get("thumbnail")) or absolute(item.get("img_src"))
+            player = absolute(item.get("iframe_src"))
+            if thumbnail and player and absolute(item.get("url")):
+                found.append(MediaResult(text(item.get("title")), item["url"], thumbnail, player))
+        return found[:limit]
+
+    async def news(self, query: str, limit: int) -> list[NewsItem]:
+        found = []
+        for item in await self._results(q=query, categories="news"):
+            url = absolute(item.get("url"))
+            thumbnail = absolute(item.get("thumbnail")) or absolute(item.get("img_src"))
+            if url:
+                found.append(
+                    NewsItem(text(item.get("title")), url, text(item.get("content")), thumbnail)
+                )
+        return found[:limit]

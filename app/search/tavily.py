@@ -1,12 +1,28 @@
-"""Tavily: `POST {tavily.base_url}/search` with a bearer key."""
+"""Tavily: `POST {tavily.base_url}/search` with a bearer key.
+
+Focus modes that keep to some sources pass `include_domains`; images come with
+`include_images`; news is `topic: "news"` (Tavily has no videos, and no picture
+per news item, so discover may be empty with it).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 
 from ..config import TavilySettings
 from ..errors import SearchError
-from .base import SearchProvider, SearchResult, results_from
+from .base import (
+    MediaResult,
+    NewsItem,
+    SearchProvider,
+    SearchResult,
+    SearchScope,
+    absolute,
+    results_from,
+    text,
+)
 
 
 class TavilySearch(SearchProvider):
@@ -16,17 +32,52 @@ class TavilySearch(SearchProvider):
         super().__init__(http)
         self.settings = settings
 
-    async def search(self, query: str, limit: int) -> list[SearchResult]:
+    async def _search(self, **body: Any) -> dict[str, Any]:
         if not self.settings.api_key:
             raise SearchError("no Tavily API key is configured (tavily.api_key)")
         request = self.http.build_request(
             "POST",
             self.settings.base_url.rstrip("/") + "/search",
-            json={"query": query, "max_results": limit, "search_depth": "basic"},
+            json={"search_depth": "basic", **body},
             headers={"Authorization": f"Bearer {self.settings.api_key}"},
         )
-        body = await self._json(request)
-        items = body.get("results") if isinstance(body, dict) else None
-        return results_from(items, title="title", url="url", snippet="content", provider=self.name)[
-            :limit
-        ]
+        answer = await self._json(request)
+        if not isinstance(answer, dict):
+            raise SearchError("Tavily answered with an unexpected body")
+        return answer
+
+    async def search(
+        self, query: str, limit: int, scope: SearchScope | None = None
+    ) -> list[SearchResult]:
+        body: dict[str, Any] = {"query": query, "max_results": limit}
+        if scope is not None and scope.sites:
+            body["include_domains"] = list(scope.sites)
+        answer = await self._search(**body)
+        return results_from(
+            answer.get("results"), title="title", url="url", snippet="content", provider=self.name
+        )[:limit]
+
+    async def images(self, query: str, limit: int) -> list[MediaResult]:
+        answer = await self._search(
+            query=query, max_results=1, include_images=True, include_image_descriptions=True
+        )
+        found = []
+        for image in answer.get("images") or []:
+            url = absolute(image.get("url") if isinstance(image, dict) else image)
+            title = text(image.get("description")) if isinstance(image, dict) else ""
+            if url:
+                found.append(MediaResult(title or query, url, url))
+        return found[:limit]
+
+    async def news(self, query: str, limit: int) -> list[NewsItem]:
+        answer = await self._search(query=query, max_results=limit, topic="news")
+        return [
+            NewsItem(r.title, r.url, r.snippet, "")
+            for r in results_from(
+                answer.get("results"),
+                title="title",
+                url="url",
+                snippet="content",
+                provider=self.name,
+            )
+        ][:limit]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -23,7 +24,7 @@ from ..config import Settings
 from ..errors import AppError, SearchError
 from ..llm import Embedder, LLMClient
 from ..prompts import Prompts
-from .base import SearchProvider, SearchResult
+from .base import MediaResult, NewsItem, SearchProvider, SearchResult, SearchScope
 from .google import GoogleSearch
 from .rank import rank_by_embeddings, select_with_model
 from .reader import Reader, open_reader
@@ -34,6 +35,8 @@ log = logging.getLogger("app.search")
 T = TypeVar("T")
 
 QUALITY_PICKS = 6
+DISCOVER_SECONDS = 300.0
+DISCOVER_TOPICS = ("technology", "science", "artificial intelligence", "world news")
 SNIPPET_CHARS = 500
 CONTEXT_CHARS_PER_SOURCE = 6000
 
@@ -87,26 +90,75 @@ class WebSearch:
         self.llm = llm
         self.embedder = embedder
         self.prompts = prompts
+        self._discovered: tuple[float, list[NewsItem] | None] = (0.0, None)
+        self._discovering = asyncio.Lock()
 
     async def aclose(self) -> None:
         await self.reader.aclose()
         await self.http.aclose()
 
+    # -- images, videos, news: what the provider has, [] rather than an error ------------------
+
+    async def images(self, query: str, limit: int = 12) -> list[MediaResult]:
+        return await self._media(self.provider.images(query, limit), "images")
+
+    async def videos(self, query: str, limit: int = 12) -> list[MediaResult]:
+        return await self._media(self.provider.videos(query, limit), "videos")
+
+    async def discover(self) -> list[NewsItem]:
+        """Recent news on a few broad topics, for a discover page; kept for
+        `DISCOVER_SECONDS` (one provider call per topic per period, per process)."""
+        cached_at, items = self._discovered
+        if items is not None and time.monotonic() - cached_at < DISCOVER_SECONDS:
+            return items
+        async with self._discovering:
+            cached_at, items = self._discovered
+            if items is not None and time.monotonic() - cached_at < DISCOVER_SECONDS:
+                return items
+            found = await asyncio.gather(
+                *(self._media(self.provider.news(t, 10), "news") for t in DISCOVER_TOPICS)
+            )
+            seen: set[str] = set()
+            items = []
+            for item in (i for topic in zip(*found, strict=False) for i in topic):
+                if item.url not in seen:
+                    seen.add(item.url)
+                    items.append(item)
+            self._discovered = (time.monotonic(), items)
+            return items
+
+    async def _media(self, call: Awaitable[list[T]], what: str) -> list[T]:
+        try:
+            async with asyncio.timeout(self.settings.search.timeout_seconds):
+                return await call
+        except (SearchError, TimeoutError) as exc:
+            log.info("%s search failed: %s", what, getattr(exc, "message", "timeout"))
+            return []
+
     async def find_sources(
-        self, out: Progress, question: str, mode: str, picks: int = QUALITY_PICKS
+        self,
+        out: Progress,
+        question: str,
+        mode: str,
+        picks: int = QUALITY_PICKS,
+        scope: SearchScope | None = None,
     ) -> list[SearchResult]:
-        """Search, rank and read for `question`; [] when there is nothing to ground on
-        (a `progress` event has said why). `picks` bounds what `quality` reads.
+        """Search (within `scope`), rank and read for `question`; [] when there is
+        nothing to ground on (a `progress` event has said why). `picks` bounds what
+        `quality` reads.
 
         Cancelling is safe: in-flight requests are closed.
         """
-        out.emit("progress", data=f"searching the web: {question}")
+        where = f" ({scope.name})" if scope else ""
+        out.emit("progress", data=f"searching the web{where}: {question}")
         budget = self.settings.search.timeout_seconds
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         try:
             async with asyncio.timeout(budget):
-                results = await self.provider.search(question, self.settings.search.max_results)
+                results = await self.provider.search(
+                    question, self.settings.search.max_results, scope
+                )
         except TimeoutError:
             out.emit("progress", data="web search timed out")
             return []
@@ -181,19 +233,30 @@ async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -
 
 
 def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
-    """Sources as the protocol sends and saves them."""
-    return [
-        {
-            "metadata": {"title": r.title, "url": r.url},
-            "pageContent": (r.snippet or r.content)[:SNIPPET_CHARS],
-        }
-        for r in results
-    ]
+    """Sources as the protocol sends and saves them; a file passage carries its
+    `fileId` (and `page`) and the whole passage as `pageContent`."""
+    entries: list[dict[str, object]] = []
+    for r in results:
+        metadata: dict[str, object] = {"title": r.title, "url": r.url}
+        if r.file_id:
+            metadata["fileId"] = r.file_id
+            if r.page:
+                metadata["page"] = r.page
+        text = r.snippet if r.file_id else (r.snippet or r.content)[:SNIPPET_CHARS]
+        entries.append({"metadata": metadata, "pageContent": text})
+    return entries
 
 
 def context_of(results: list[SearchResult]) -> str:
-    """'source N <url> <content>' per source, as the original built it."""
+    """'source N <url> <content>' per source, as the original built it (a file
+    passage names its file and page instead of a URL)."""
     return "\n".join(
-        f"source {i} {r.url} {r.text[:CONTEXT_CHARS_PER_SOURCE]}"
+        f"source {i} {cited(r)} {r.text[:CONTEXT_CHARS_PER_SOURCE]}"
         for i, r in enumerate(results, start=1)
     )
+
+
+def cited(result: SearchResult) -> str:
+    if not result.file_id:
+        return result.url
+    return f"{result.title}" + (f" (page {result.page})" if result.page else "")

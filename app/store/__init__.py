@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Chat, Saved, Store, StoredMessage
+from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage
 
 
 def open_store(url: str) -> Store:
@@ -22,4 +22,12 @@ def open_store(url: str) -> Store:
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:/// or postgresql://")
 
 
-__all__ = ["Chat", "Saved", "Store", "StoredMessage", "open_store"]
+__all__ = [
+    "Chat",
+    "FileRecord",
+    "Saved",
+    "Store",
+    "StoredChunk",
+    "StoredMessage",
+    "open_store",
+]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
@@ -32,15 +32,6 @@ class Chat:
     focus_mode: str
     created_at: float
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "userId": self.user_id,
-            "title": self.title,
-            "focusMode": self.focus_mode,
-            "createdAt": iso(self.created_at),
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class StoredMessage:
@@ -55,22 +46,49 @@ class StoredMessage:
     sources: list[dict[str, Any]] = field(default_factory=list)
     reply_to: str | None = None  # an answer's question
 
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """An uploaded file: `status` is `indexing`, `ready` or `failed` (then `error`)."""
+
+    id: str
+    user_id: str
+    name: str
+    kind: str
+    size: int
+    created_at: float
+    status: str = "indexing"
+    pages: int = 0
+    chunks: int = 0
+    error: str = ""
+
+    @property
+    def extension(self) -> str:
+        return self.name.rsplit(".", 1)[-1].lower() if "." in self.name else ""
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "chatId": self.chat_id,
-            "role": self.role,
-            "content": self.content,
-            "sources": self.sources,
+        return {
+            "fileId": self.id,
+            "name": self.name,
+            "type": self.kind,
+            "size": self.size,
+            "pages": self.pages,
+            "chunks": self.chunks,
             "status": self.status,
+            "error": self.error or None,
             "createdAt": iso(self.created_at),
         }
-        if self.role == "assistant":
-            out["reasoning"] = self.reasoning
-            out["questionMessageId"] = self.reply_to
-        elif self.rewritten is not None:
-            out["rewritten"] = self.rewritten
-        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """A passage of a file: its number, the page it starts on (1-based), its text and
+    its embedding (float32 bytes, or None without an embeddings model)."""
+
+    n: int
+    page: int
+    text: str
+    vector: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +106,28 @@ class Saved:
 
 #: the column order both backends select in, so one mapping serves both
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
+FILE_COLUMNS = "id, user_id, name, kind, size, created_at, status, pages, chunks, error"
+
+
+def file_from_row(row: Any) -> FileRecord:
+    return FileRecord(*row)
+
+
+def file_params(f: FileRecord) -> tuple[Any, ...]:
+    return (
+        f.id,
+        f.user_id,
+        f.name,
+        f.kind,
+        f.size,
+        f.created_at,
+        f.status,
+        f.pages,
+        f.chunks,
+        f.error,
+    )
+
+
 MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
@@ -223,10 +263,13 @@ class Store(abc.ABC):
         answer: StoredMessage,
         *,
         regenerate: bool = False,
+        files: Sequence[str] = (),
     ) -> bool:
-        """In one transaction: the chat unless it exists, the question, and the answer's
-        row. With `regenerate` the question exists already: its answer and every later
-        message of the chat are deleted instead. Returns whether the chat was created.
+        """In one transaction: the chat unless it exists, the question, the answer's
+        row, and `files` attached to the chat. With `regenerate` the question exists
+        already: its answer and every later message of the chat are deleted, and its
+        text set to the question's (it may have been edited). Returns whether the
+        chat was created.
 
         Raises `Conflict` when the question's (or the answer's) id is taken, and
         `Forbidden` when the chat exists and is another user's; then nothing is
@@ -276,3 +319,37 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def secret(self, name: str) -> str:
         """A random secret shared by every process of the deployment (made once)."""
+
+    # -- uploaded files -------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def add_file(self, record: FileRecord) -> None:
+        """A new upload (status `indexing`)."""
+
+    @abc.abstractmethod
+    async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:
+        """Set a file's status, pages, chunk count and error, and store its chunks, in
+        one transaction (a file is never half stored)."""
+
+    @abc.abstractmethod
+    async def get_file(self, file_id: str) -> FileRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_files(self, user_id: str) -> list[FileRecord]:
+        """The user's uploads, newest first."""
+
+    @abc.abstractmethod
+    async def delete_file(self, file_id: str) -> bool:
+        """Delete a file, its chunks, and its place in chats."""
+
+    @abc.abstractmethod
+    async def file_chunks(self, file_id: str) -> list[StoredChunk]:
+        """A file's chunks in order."""
+
+    @abc.abstractmethod
+    async def attach_files(self, chat_id: str, file_ids: list[str]) -> None:
+        """Attach files to a chat (those attached already stay once)."""
+
+    @abc.abstractmethod
+    async def chat_files(self, chat_ids: list[str]) -> dict[str, list[FileRecord]]:
+        """The files attached to each of the chats (chats without files left out)."""

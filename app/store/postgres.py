@@ -9,6 +9,7 @@ Worker leases use the database's clock, so hosts whose clocks differ agree.
 from __future__ import annotations
 
 import secrets as random_secrets
+from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
@@ -16,12 +17,17 @@ import orjson
 
 from .base import (
     CHAT_COLUMNS,
+    FILE_COLUMNS,
     MESSAGE_COLUMNS,
     Chat,
+    FileRecord,
     Saved,
     Store,
+    StoredChunk,
     StoredMessage,
     chat_from_row,
+    file_from_row,
+    file_params,
     mapping_errors,
     message_from_row,
     message_params,
@@ -77,6 +83,37 @@ MIGRATIONS = (
         expires_at DOUBLE PRECISION NOT NULL
     );
     CREATE TABLE secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
+    # 3: uploaded files, their chunks (text, page, embedding) and the chats they are in
+    """
+    CREATE TABLE files (
+        id TEXT PRIMARY KEY,
+        user_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        size BIGINT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        status TEXT NOT NULL,
+        pages INTEGER NOT NULL DEFAULT 0,
+        chunks INTEGER NOT NULL DEFAULT 0,
+        error TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX files_by_user ON files (user_id, created_at DESC);
+    CREATE TABLE file_chunks (
+        file_id TEXT NOT NULL REFERENCES files (id) ON DELETE CASCADE,
+        n INTEGER NOT NULL,
+        page INTEGER NOT NULL,
+        text TEXT NOT NULL,
+        vector BYTEA,
+        PRIMARY KEY (file_id, n)
+    );
+    CREATE TABLE chat_files (
+        chat_id TEXT NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
+        file_id TEXT NOT NULL REFERENCES files (id) ON DELETE CASCADE,
+        attached_at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (chat_id, file_id)
+    );
+    CREATE INDEX chat_files_by_file ON chat_files (file_id);
     """,
 )
 
@@ -162,6 +199,7 @@ class PostgresStore(Store):
         answer: StoredMessage,
         *,
         regenerate: bool = False,
+        files: Sequence[str] = (),
     ) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
             status = await conn.execute(
@@ -185,11 +223,23 @@ class PostgresStore(Store):
                         question.created_at,
                         question.id,
                     )
+                    await conn.execute(
+                        "UPDATE messages SET content = $1, rewritten = NULL, sources = '[]'"
+                        " WHERE id = $2",
+                        question.content,
+                        question.id,
+                    )
                     await conn.execute(_INSERT_MESSAGE, *_params(answer))
                 else:
                     await conn.executemany(_INSERT_MESSAGE, [_params(question), _params(answer)])
             except asyncpg.UniqueViolationError as exc:
                 raise taken("message.messageId") from exc
+            if files:
+                await conn.executemany(
+                    "INSERT INTO chat_files (chat_id, file_id, attached_at)"
+                    " VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+                    [(chat.id, file_id, question.created_at) for file_id in files],
+                )
             return _one_row(status)
 
     @mapped
@@ -303,6 +353,83 @@ class PostgresStore(Store):
         )
         value: str = await self.pool.fetchval("SELECT value FROM secrets WHERE name = $1", name)
         return value
+
+    # -- uploaded files -------------------------------------------------------------------
+
+    @mapped
+    async def add_file(self, record: FileRecord) -> None:
+        await self.pool.execute(
+            f"INSERT INTO files ({FILE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            *file_params(record),
+        )
+
+    @mapped
+    async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "UPDATE files SET status = $1, pages = $2, chunks = $3, error = $4 WHERE id = $5",
+                record.status,
+                record.pages,
+                record.chunks,
+                record.error,
+                record.id,
+            )
+            if chunks:
+                await conn.copy_records_to_table(
+                    "file_chunks",
+                    records=[(record.id, c.n, c.page, c.text, c.vector) for c in chunks],
+                    columns=["file_id", "n", "page", "text", "vector"],
+                )
+
+    @mapped
+    async def get_file(self, file_id: str) -> FileRecord | None:
+        row = await self.pool.fetchrow(f"SELECT {FILE_COLUMNS} FROM files WHERE id = $1", file_id)
+        return file_from_row(tuple(row)) if row else None
+
+    @mapped
+    async def list_files(self, user_id: str) -> list[FileRecord]:
+        rows = await self.pool.fetch(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE user_id = $1 ORDER BY created_at DESC, id",
+            user_id,
+        )
+        return [file_from_row(tuple(row)) for row in rows]
+
+    @mapped
+    async def delete_file(self, file_id: str) -> bool:
+        # chunks and chat attachments go with it (ON DELETE CASCADE)
+        status = await self.pool.execute("DELETE FROM files WHERE id = $1", file_id)
+        return _one_row(status)
+
+    @mapped
+    async def file_chunks(self, file_id: str) -> list[StoredChunk]:
+        rows = await self.pool.fetch(
+            "SELECT n, page, text, vector FROM file_chunks WHERE file_id = $1 ORDER BY n",
+            file_id,
+        )
+        return [StoredChunk(*row) for row in rows]
+
+    @mapped
+    async def attach_files(self, chat_id: str, file_ids: list[str]) -> None:
+        await self.pool.executemany(
+            "INSERT INTO chat_files (chat_id, file_id, attached_at)"
+            f" VALUES ($1, $2, {NOW}) ON CONFLICT DO NOTHING",
+            [(chat_id, file_id) for file_id in file_ids],
+        )
+
+    @mapped
+    async def chat_files(self, chat_ids: list[str]) -> dict[str, list[FileRecord]]:
+        if not chat_ids:
+            return {}
+        columns = ", ".join(f"f.{c.strip()}" for c in FILE_COLUMNS.split(","))
+        rows = await self.pool.fetch(
+            f"SELECT cf.chat_id, {columns} FROM chat_files cf JOIN files f ON f.id = cf.file_id"
+            " WHERE cf.chat_id = ANY($1::text[]) ORDER BY cf.attached_at, f.id",
+            chat_ids,
+        )
+        out: dict[str, list[FileRecord]] = {}
+        for row in rows:
+            out.setdefault(row[0], []).append(file_from_row(tuple(row)[1:]))
+        return out
 
 
 _INSERT_MESSAGE = (

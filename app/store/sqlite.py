@@ -14,7 +14,7 @@ import random
 import secrets as random_secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,17 @@ import orjson
 
 from .base import (
     CHAT_COLUMNS,
+    FILE_COLUMNS,
     MESSAGE_COLUMNS,
     Chat,
+    FileRecord,
     Saved,
     Store,
+    StoredChunk,
     StoredMessage,
     chat_from_row,
+    file_from_row,
+    file_params,
     mapping_errors,
     message_from_row,
     message_params,
@@ -100,6 +105,37 @@ MIGRATIONS = (
     CREATE INDEX messages_streaming ON messages (created_at) WHERE status = 'streaming';
     CREATE TABLE workers (n INTEGER PRIMARY KEY, token TEXT NOT NULL, expires_at REAL NOT NULL);
     CREATE TABLE secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
+    # 3: uploaded files, their chunks (text, page, embedding) and the chats they are in
+    """
+    CREATE TABLE files (
+        id TEXT PRIMARY KEY,
+        user_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        status TEXT NOT NULL,
+        pages INTEGER NOT NULL DEFAULT 0,
+        chunks INTEGER NOT NULL DEFAULT 0,
+        error TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX files_by_user ON files (user_id, created_at DESC);
+    CREATE TABLE file_chunks (
+        file_id TEXT NOT NULL REFERENCES files (id) ON DELETE CASCADE,
+        n INTEGER NOT NULL,
+        page INTEGER NOT NULL,
+        text TEXT NOT NULL,
+        vector BLOB,
+        PRIMARY KEY (file_id, n)
+    );
+    CREATE TABLE chat_files (
+        chat_id TEXT NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
+        file_id TEXT NOT NULL REFERENCES files (id) ON DELETE CASCADE,
+        attached_at REAL NOT NULL,
+        PRIMARY KEY (chat_id, file_id)
+    );
+    CREATE INDEX chat_files_by_file ON chat_files (file_id);
     """,
 )
 
@@ -207,6 +243,7 @@ class SQLiteStore(Store):
     @mapped
     async def delete_chat(self, chat_id: str) -> bool:
         async with self._transaction() as db:
+            await db.execute("DELETE FROM chat_files WHERE chat_id = ?", (chat_id,))
             await db.execute("DELETE FROM messages WHERE chat_id = ?", (chat_id,))
             cursor = await db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
             return cursor.rowcount == 1
@@ -221,6 +258,7 @@ class SQLiteStore(Store):
         answer: StoredMessage,
         *,
         regenerate: bool = False,
+        files: Sequence[str] = (),
     ) -> bool:
         async with self._transaction() as db:
             cursor = await db.execute(
@@ -248,11 +286,20 @@ class SQLiteStore(Store):
                             question.id,
                         ),
                     )
+                    await db.execute(
+                        "UPDATE messages SET content = ?, rewritten = NULL, sources = '[]'"
+                        " WHERE id = ?",
+                        (question.content, question.id),
+                    )
                     await db.execute(_INSERT_MESSAGE, _params(answer))
                 else:
                     await db.executemany(_INSERT_MESSAGE, [_params(question), _params(answer)])
             except sqlite3.IntegrityError as exc:
                 raise taken("message.messageId") from exc
+            await db.executemany(
+                "INSERT OR IGNORE INTO chat_files (chat_id, file_id, attached_at) VALUES (?, ?, ?)",
+                [(chat.id, file_id, question.created_at) for file_id in files],
+            )
         return created
 
     @mapped
@@ -352,6 +399,81 @@ class SQLiteStore(Store):
             )
             rows = await db.execute_fetchall("SELECT value FROM secrets WHERE name = ?", (name,))
             return str(list(rows)[0][0])
+
+    # -- uploaded files -------------------------------------------------------------------
+
+    @mapped
+    async def add_file(self, record: FileRecord) -> None:
+        await self._write(
+            f"INSERT INTO files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            file_params(record),
+        )
+
+    @mapped
+    async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:
+        async with self._transaction() as db:
+            await db.execute(
+                "UPDATE files SET status = ?, pages = ?, chunks = ?, error = ? WHERE id = ?",
+                (record.status, record.pages, record.chunks, record.error, record.id),
+            )
+            await db.executemany(
+                "INSERT INTO file_chunks (file_id, n, page, text, vector) VALUES (?, ?, ?, ?, ?)",
+                [(record.id, c.n, c.page, c.text, c.vector) for c in chunks],
+            )
+
+    @mapped
+    async def get_file(self, file_id: str) -> FileRecord | None:
+        rows = await self._rows(f"SELECT {FILE_COLUMNS} FROM files WHERE id = ?", (file_id,))
+        return file_from_row(rows[0]) if rows else None
+
+    @mapped
+    async def list_files(self, user_id: str) -> list[FileRecord]:
+        rows = await self._rows(
+            f"SELECT {FILE_COLUMNS} FROM files WHERE user_id = ? ORDER BY created_at DESC, id",
+            (user_id,),
+        )
+        return [file_from_row(row) for row in rows]
+
+    @mapped
+    async def delete_file(self, file_id: str) -> bool:
+        async with self._transaction() as db:
+            await db.execute("DELETE FROM chat_files WHERE file_id = ?", (file_id,))
+            await db.execute("DELETE FROM file_chunks WHERE file_id = ?", (file_id,))
+            cursor = await db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            return cursor.rowcount == 1
+
+    @mapped
+    async def file_chunks(self, file_id: str) -> list[StoredChunk]:
+        rows = await self._rows(
+            "SELECT n, page, text, vector FROM file_chunks WHERE file_id = ? ORDER BY n",
+            (file_id,),
+        )
+        return [StoredChunk(*row) for row in rows]
+
+    @mapped
+    async def attach_files(self, chat_id: str, file_ids: list[str]) -> None:
+        now = time.time()
+        async with self._transaction() as db:
+            await db.executemany(
+                "INSERT OR IGNORE INTO chat_files (chat_id, file_id, attached_at) VALUES (?, ?, ?)",
+                [(chat_id, file_id, now) for file_id in file_ids],
+            )
+
+    @mapped
+    async def chat_files(self, chat_ids: list[str]) -> dict[str, list[FileRecord]]:
+        if not chat_ids:
+            return {}
+        marks = ", ".join("?" * len(chat_ids))
+        columns = ", ".join(f"f.{c.strip()}" for c in FILE_COLUMNS.split(","))
+        rows = await self._rows(
+            f"SELECT cf.chat_id, {columns} FROM chat_files cf JOIN files f ON f.id = cf.file_id"
+            f" WHERE cf.chat_id IN ({marks}) ORDER BY cf.attached_at, f.id",
+            tuple(chat_ids),
+        )
+        out: dict[str, list[FileRecord]] = {}
+        for row in rows:
+            out.setdefault(row[0], []).append(file_from_row(row[1:]))
+        return out
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -32,6 +33,7 @@ from ..protocol import (
 )
 from ..streams import Handle
 from .http import client_identity, count_request, request_user
+from .perplexica import picked_model
 
 log = logging.getLogger("app.ws")
 
@@ -182,6 +184,9 @@ class Session:
                 transport="ws",
             )
             request = request_user(websocket, request, body)
+            model = picked_model(self.settings, websocket.query_params.get("chatModel"))
+            if model is not None:
+                request = replace(request, model=model)
             await count_request(websocket)
             handle = await service.start(request)
             self.follow(handle, request.format)

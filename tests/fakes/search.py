@@ -11,6 +11,12 @@ prompt what was read. Result 3 shares the most words with `RELEVANT_QUESTION`
     /google/customsearch/v1?key=&cx=&q=   GET
     /jina/<url>                      GET: the page's text as Markdown
     /pages/<n>                       GET: an HTML page
+    /images/<n>.png                  GET: a small PNG (what image results point at)
+    /embed/<n>                       GET: a video "player" page
+
+SearxNG answers its `images`, `videos` and `news` categories as SearxNG does;
+Tavily its `include_images` and `topic: news`; Google `searchType=image`. Every
+request's parameters are kept in `requests` (provider, params).
     /redirect?to=<url>               GET: 302 to <url>
     /secret                          GET: what an SSRF would reach
 """
@@ -18,6 +24,8 @@ prompt what was read. Result 3 shares the most words with `RELEVANT_QUESTION`
 from __future__ import annotations
 
 import asyncio
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +54,27 @@ TOPICS = [
 ]
 
 
+def _png() -> bytes:
+    """A 4×4 grey PNG (what image results point at)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    pixels = b"".join(b"\x00" + b"\x80\x80\x80" * 4 for _ in range(4))
+    header = struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(pixels))
+        + chunk(b"IEND", b"")
+    )
+
+
+PNG = _png()
+
+
 def snippet(n: int) -> str:
     return f"SNIPPET-{n} about {TOPICS[n]}"
 
@@ -63,6 +92,7 @@ class FakeSearch:
     page_delay: dict[int, float] = field(default_factory=dict)
     broken_pages: set[int] = field(default_factory=set)
     queries: list[tuple[str, str]] = field(default_factory=list)  # (provider, query)
+    requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
     base_url: str = ""
     extra: list[dict[str, str]] = field(default_factory=list)  # results put first
@@ -73,6 +103,7 @@ class FakeSearch:
         self.page_delay.clear()
         self.broken_pages.clear()
         self.queries.clear()
+        self.requests.clear()
         self.pages_read.clear()
 
     def app(self) -> Starlette:
@@ -83,6 +114,8 @@ class FakeSearch:
                 Route("/google/customsearch/v1", self.google),
                 Route("/jina/{url:path}", self.jina),
                 Route("/pages/{n:int}", self.page),
+                Route("/images/{n:int}.png", self.image),
+                Route("/embed/{n:int}", self.embed),
                 Route("/redirect", self.redirect),
                 Route("/secret", self.secret),
             ]
@@ -108,37 +141,96 @@ class FakeSearch:
             return JSONResponse({"error": "fake search failure"}, status_code=self.fail)
         return None
 
+    def image_url(self, n: int) -> str:
+        return f"{self.base_url}/images/{n}.png"
+
     async def tavily(self, request: Request) -> Response:
         if request.headers.get("authorization") != f"Bearer {self.api_key}":
             return JSONResponse({"detail": "bad key"}, status_code=401)
         body: dict[str, Any] = await request.json()
+        self.requests.append(("tavily", body))
         if failed := await self._searched("tavily", body["query"]):
             return failed
         items = [
             {"title": r["title"], "url": r["url"], "content": r["snippet"], "score": 0.5}
             for r in self.results()
         ]
-        return JSONResponse(
-            {"query": body["query"], "results": items[: body.get("max_results", 8)]}
-        )
+        answer: dict[str, Any] = {
+            "query": body["query"],
+            "results": items[: body.get("max_results", 8)],
+        }
+        if body.get("include_images"):
+            answer["images"] = [
+                {"url": self.image_url(n), "description": f"Picture {n} of {TOPICS[n]}"}
+                for n in range(4)
+            ]
+        return JSONResponse(answer)
 
     async def searxng(self, request: Request) -> Response:
-        if request.query_params.get("format") != "json":
+        params = dict(request.query_params)
+        if params.get("format") != "json":
             return PlainTextResponse("format must be json", status_code=403)
-        if failed := await self._searched("searxng", request.query_params["q"]):
+        self.requests.append(("searxng", params))
+        if failed := await self._searched("searxng", params["q"]):
             return failed
-        items = [
-            {"title": r["title"], "url": r["url"], "content": r["snippet"], "engine": "fake"}
-            for r in self.results()
-        ]
-        return JSONResponse({"query": request.query_params["q"], "results": items})
+        category = params.get("categories", "general")
+        if category == "images":
+            items = [
+                {
+                    "title": f"Image {n}: {TOPICS[n]}",
+                    "url": f"{self.base_url}/pages/{n}",
+                    "img_src": self.image_url(n),
+                    "thumbnail_src": self.image_url(n),
+                    "engine": "fake images",
+                }
+                for n in range(6)
+            ]
+        elif category == "videos":
+            items = [
+                {
+                    "title": f"Video {n}: {TOPICS[n]}",
+                    "url": f"{self.base_url}/pages/{n}",
+                    "thumbnail": self.image_url(n),
+                    "iframe_src": f"{self.base_url}/embed/{n}",
+                    "engine": "youtube",
+                }
+                for n in range(3)
+            ]
+        elif category == "news":
+            items = [
+                {
+                    "title": f"News about {params['q']}: {TOPICS[n]}",
+                    "url": f"{self.base_url}/pages/{n}?topic={params['q']}",
+                    "content": f"What happened with {TOPICS[n]}.",
+                    "thumbnail": self.image_url(n),
+                    "engine": "fake news",
+                }
+                for n in range(3)
+            ]
+        else:
+            items = [
+                {"title": r["title"], "url": r["url"], "content": r["snippet"], "engine": "fake"}
+                for r in self.results()
+            ]
+        return JSONResponse({"query": params["q"], "results": items})
 
     async def google(self, request: Request) -> Response:
         params = request.query_params
         if params.get("key") != self.api_key or not params.get("cx"):
             return JSONResponse({"error": {"message": "bad key"}}, status_code=400)
+        self.requests.append(("google", dict(params)))
         if failed := await self._searched("google", params["q"]):
             return failed
+        if params.get("searchType") == "image":
+            images = [
+                {
+                    "title": f"Image {n}",
+                    "link": self.image_url(n),
+                    "image": {"contextLink": f"{self.base_url}/pages/{n}"},
+                }
+                for n in range(5)
+            ]
+            return JSONResponse({"items": images})
         items = [
             {"title": r["title"], "link": r["url"], "snippet": r["snippet"]} for r in self.results()
         ]
@@ -167,6 +259,12 @@ class FakeSearch:
             f"<nav>Home | About | NAVIGATION-NOISE</nav><article><h1>Result {n}</h1>"
             f"<p>{fulltext(n)}</p></article><footer>FOOTER-NOISE</footer></body></html>"
         )
+
+    async def image(self, request: Request) -> Response:
+        return Response(PNG, media_type="image/png")
+
+    async def embed(self, request: Request) -> Response:
+        return HTMLResponse(f"<html><body>video player {request.path_params['n']}</body></html>")
 
     async def redirect(self, request: Request) -> Response:
         return RedirectResponse(request.query_params["to"], status_code=302)

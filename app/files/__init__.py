@@ -1,0 +1,1 @@
+"""Uploaded files: extraction, chunking, indexing and retrieval."""

@@ -1,0 +1,200 @@
+"""Text out of an uploaded file, page by page: PDF (pypdf), DOCX (python-docx), HTML
+(the reader's main-text extractor), plain text and Markdown.
+
+Extraction is CPU work on input nobody vetted, so it never runs in the server's
+process: `extract()` runs this module as a child process (`python -m
+app.files.extract`), with the file on stdin, a CPU-time limit and an address-space
+limit, and kills it at the deadline. A zip bomb, a PDF that loops, a crash — each
+costs one child, never the event loop or the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import sys
+import zipfile
+from dataclasses import dataclass
+
+import orjson
+
+from ..errors import BadRequest
+
+#: extension → what it is read as
+KINDS = {
+    "pdf": "pdf",
+    "docx": "docx",
+    "txt": "text",
+    "md": "text",
+    "markdown": "text",
+    "html": "html",
+    "htm": "html",
+}
+MEMORY_BYTES = 1024 * 1024 * 1024  # the child's address space
+DOCX_EXPANDED_BYTES = 200 * 1024 * 1024  # a DOCX that unpacks to more is refused
+DOCX_RATIO = 200  # … or that unpacks to more than this many times its size
+
+
+@dataclass(frozen=True, slots=True)
+class Extracted:
+    """A file's text, one entry per page (one page for formats without pages)."""
+
+    pages: list[str]
+
+
+class Unreadable(BadRequest):
+    """The file is of a known kind but cannot be read (broken, encrypted, empty)."""
+
+    status = 422
+
+
+def kind_of(name: str) -> str:
+    """What a file is read as, from its name; `BadRequest` (415) for another type."""
+    extension = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    kind = KINDS.get(extension)
+    if kind is None:
+        raise BadRequest(
+            f"{name!r}: only {', '.join(sorted(set(KINDS) - {'htm', 'markdown'}))} files can be"
+            " uploaded",
+            status=415,
+        )
+    return kind
+
+
+async def extract(name: str, data: bytes, *, max_pages: int, timeout: float) -> Extracted:
+    """The text of a file, in a child process. Raises `BadRequest`: 415 a type it does
+    not read, 413 too many pages or too large unpacked, 422 broken, encrypted,
+    without text, or not read within `timeout` seconds."""
+    kind = kind_of(name)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "app.files.extract",
+        kind,
+        str(max_pages),
+        str(max(1, int(timeout))),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, _ = await child.communicate(data)
+    except TimeoutError as exc:
+        raise Unreadable(f"{name!r} took longer than {timeout:g} s to read") from exc
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    try:
+        answer = orjson.loads(out)
+    except orjson.JSONDecodeError as exc:
+        raise Unreadable(f"{name!r} could not be read (the reader stopped)") from exc
+    if "error" in answer:
+        raise (Unreadable if answer["status"] == 422 else BadRequest)(
+            f"{name!r}: {answer['error']}", status=answer["status"]
+        )
+    pages = [clean(page) for page in answer["pages"]]
+    if not any(pages):
+        raise Unreadable(f"{name!r} has no text (a scan, or an empty file)")
+    return Extracted(pages)
+
+
+def clean(text: str) -> str:
+    text = text.replace("\x00", "")
+    text = re.sub(r"[ \t\u00a0]+", " ", text)
+    return re.sub(r"\n\s*\n\s*\n+", "\n\n", text).strip()
+
+
+# -- the child -----------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def read(kind: str, data: bytes, max_pages: int) -> list[str]:
+    if not data:
+        raise Refused("the file is empty", 400)
+    if kind == "pdf":
+        return read_pdf(data, max_pages)
+    if kind == "docx":
+        return [read_docx(data)]
+    text = decode(data)
+    if kind == "html":
+        from ..search.reader import extract_main_text
+
+        return [extract_main_text(text)]
+    return [text]
+
+
+def read_pdf(data: bytes, max_pages: int) -> list[str]:
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise Refused("the PDF is encrypted")
+        if len(reader.pages) > max_pages:
+            raise Refused(f"the PDF has {len(reader.pages)} pages, more than {max_pages}", 413)
+        return [page.extract_text() or "" for page in reader.pages]
+    except (PyPdfError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise Refused(f"the PDF cannot be read ({type(exc).__name__})") from exc
+
+
+def read_docx(data: bytes) -> str:
+    import docx
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            expanded = sum(info.file_size for info in archive.infolist())
+    except zipfile.BadZipFile as exc:
+        raise Refused("the DOCX is not a valid document") from exc
+    if expanded > DOCX_EXPANDED_BYTES or expanded > DOCX_RATIO * max(len(data), 1):
+        raise Refused(f"the DOCX unpacks to {expanded} bytes (a zip bomb?)", 413)
+    try:
+        document = docx.Document(io.BytesIO(data))
+    except Exception as exc:  # python-docx raises many kinds for a broken file
+        raise Refused("the DOCX is not a valid document") from exc
+    parts = [p.text for p in document.paragraphs]
+    for table in document.tables:
+        for row in table.rows:
+            parts.append(" | ".join(cell.text for cell in row.cells))
+    return "\n".join(parts)
+
+
+def decode(data: bytes) -> str:
+    for encoding in ("utf-8-sig", "utf-16"):
+        try:
+            text = data.decode(encoding)
+        except UnicodeDecodeError:
+            continue
+        if "\x00" not in text:
+            return text
+    if b"\x00" in data[:4096]:
+        raise Refused("the file is not text")
+    return data.decode("latin-1")
+
+
+def main() -> None:
+    import resource
+
+    kind, max_pages, cpu_seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    data = sys.stdin.buffer.read()
+    try:
+        answer: dict[str, object] = {"pages": read(kind, data, max_pages)}
+    except Refused as exc:
+        answer = {"error": str(exc), "status": exc.status}
+    except MemoryError:
+        answer = {"error": "the file takes too much memory to read", "status": 413}
+    sys.stdout.buffer.write(orjson.dumps(answer))
+
+
+if __name__ == "__main__":
+    main()
