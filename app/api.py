@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.datastructures import FormData, UploadFile
+from starlette.datastructures import FormData, MutableHeaders, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat.service import ChatService
 from .errors import BadRequest, NotFound
@@ -251,6 +252,23 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     body, content_type = request.app.state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+class HtmlHeaders:
+    """ASGI wrapper (for the static files) that puts `HTML_HEADERS` on HTML responses."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if headers.get("content-type", "").startswith("text/html"):
+                    headers.update(HTML_HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 async def web_client(request: Request) -> Response:

@@ -12,22 +12,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import threading
 import time
 
-from .errors import AppError
+from .errors import AppError, Unavailable
 from .store import Store
 
 log = logging.getLogger("app.ids")
 
 EPOCH_MS = 1_288_834_974_657  # the Twitter epoch, as the original used
 WORKERS = 1024  # 10 bits
+LEASE_MARGIN = 0.9  # a lease is trusted for this share of its time
 
 
 class Snowflake:
     def __init__(self, worker: int = 0) -> None:
         self.worker = worker
+        #: until when (monotonic) the worker number is known to be this process's alone
+        self.valid_until = math.inf
         self._lock = threading.Lock()
         self._last_ms = -1
         self._sequence = 0
@@ -47,6 +51,11 @@ class Snowflake:
             return ((now - EPOCH_MS) << 22) | ((self.worker & 0x3FF) << 12) | self._sequence
 
     def next_str(self) -> str:
+        """The next id as a decimal string; `Unavailable` while this process cannot be
+        sure its worker number is its own (its lease ran out while the store was
+        away: it is being renewed)."""
+        if time.monotonic() > self.valid_until:
+            raise Unavailable("ids cannot be made until the worker lease is renewed", retry_after=1)
         return str(self.next())
 
 
@@ -63,7 +72,9 @@ class WorkerLease:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> WorkerLease:
+        leased_at = time.monotonic()
         self.ids.worker = await self.store.lease_worker(self.token, self.ttl, WORKERS)
+        self.ids.valid_until = leased_at + self.ttl * LEASE_MARGIN
         self._task = asyncio.create_task(self._renew(), name="worker-lease")
         return self
 
@@ -77,12 +88,15 @@ class WorkerLease:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl / 4)
+            # renew at a quarter of the lease; once it has run out, every second
+            expired = time.monotonic() > self.ids.valid_until
+            await asyncio.sleep(1.0 if expired else self.ttl / 4)
             try:
-                if await self.store.renew_worker(self.ids.worker, self.token, self.ttl):
-                    continue
-                old = self.ids.worker
-                self.ids.worker = await self.store.lease_worker(self.token, self.ttl, WORKERS)
-                log.warning("worker number %d was lost; now %d", old, self.ids.worker)
-            except AppError as exc:
-                log.warning("worker lease not renewed: %s", exc.message)
+                renewed_at = time.monotonic()
+                if not await self.store.renew_worker(self.ids.worker, self.token, self.ttl):
+                    old = self.ids.worker
+                    self.ids.worker = await self.store.lease_worker(self.token, self.ttl, WORKERS)
+                    log.warning("worker number %d was lost; now %d", old, self.ids.worker)
+                self.ids.valid_until = renewed_at + self.ttl * LEASE_MARGIN
+            except Exception as exc:  # any failure: keep trying; ids stop while it runs out
+                log.warning("worker lease not renewed: %r", exc)

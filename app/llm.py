@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ import orjson
 
 from .config import EmbeddingsSettings, LLMSettings
 from .errors import ConfigError, ModelError, StreamError
+
+log = logging.getLogger("app.llm")
 
 Message = dict[str, str]
 
@@ -221,7 +224,10 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
 def model_errors(what: str) -> Iterator[None]:
     """Map what the SDK and its HTTP layer raise to our errors: `ModelError`
     (CHAT_ERROR) when the model cannot be reached or does not answer in time,
-    `StreamError` (STREAM_ERROR) when it answers non-2xx or badly."""
+    `StreamError` (STREAM_ERROR) when it answers non-2xx or badly.
+    The messages say what happened in words a person can use; the exception, with
+    its addresses, goes to the log.
+    """
     try:
         yield
     except (TimeoutError, openai.APITimeoutError) as exc:
@@ -229,12 +235,15 @@ def model_errors(what: str) -> Iterator[None]:
     except openai.APIStatusError as exc:
         raise StreamError(_status_message(exc)) from exc
     except openai.APIConnectionError as exc:
-        raise ModelError(f"cannot reach the {what}: {_cause(exc)}") from exc
+        log.warning("cannot reach the %s: %r", what, _cause(exc))
+        raise ModelError(f"cannot reach the {what}") from exc
     except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
-        raise StreamError(f"the {what} stream broke: {exc}") from exc
+        log.warning("the %s stream broke: %r", what, exc)
+        raise StreamError(f"the {what} stream broke off") from exc
     except Exception as exc:
         if _is_transport_error(exc):
-            raise StreamError(f"the {what} stream broke: {exc!r}") from exc
+            log.warning("the %s stream broke: %r", what, exc)
+            raise StreamError(f"the {what} stream broke off") from exc
         raise
 
 

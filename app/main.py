@@ -74,6 +74,7 @@ async def open_service(
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
+        files = FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids)
         service = ChatService(
             settings,
             store=the_store,
@@ -82,9 +83,9 @@ async def open_service(
             prompts=the_prompts,
             ids=ids,
             search=search,
-            files=FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids),
+            files=files,
             research=DeepResearch(
-                settings.research, search=search, llm=the_llm, prompts=the_prompts
+                settings.research, search=search, files=files, llm=the_llm, prompts=the_prompts
             ),
             metrics=metrics,
         )
@@ -166,7 +167,7 @@ def create_app(
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/", api.web_client, methods=["GET"]),
-        Mount("/static", StaticFiles(directory=WEB_DIR), name="static"),
+        Mount("/static", api.HtmlHeaders(StaticFiles(directory=WEB_DIR)), name="static"),
     ]
     middleware = [
         Middleware(AccessLog),

@@ -118,7 +118,8 @@ class RedisServer:
     """A real redis-server on a loopback port (a free one by default); it can be
     stopped and started again on the same port, empty (no persistence)."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()) -> None:
+        self.args = args
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.fail("redis-server is not installed: run `bash scripts/test.sh`")
@@ -130,7 +131,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [self.binary or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no", "--dir", self.dir],
+            + ["--save", "", "--appendonly", "no", "--dir", self.dir, *self.args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -10,13 +10,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from app.errors import Conflict
 from app.protocol import Event
 from app.streams import Handle, StreamHub, open_redis
 from app.streams.memory import MemoryHub
 from app.streams.redis import RedisHub
+from tests.conftest import RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -176,3 +179,42 @@ async def test_redis_batches_many_events_into_few_commands(redis_url):
         await asyncio.sleep(0.2)
         entries = await owner.redis.xlen("sc:log:100")
         assert 1 <= entries <= 5
+
+
+async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
+    """Redis stalls (not restarted: it keeps its data) while a generation ends and the
+    write times out: the terminal event is written when Redis answers again (a
+    write sent twice leaves one event per seq for readers)."""
+    with RedisServer(args=("--enable-debug-command", "yes")) as server:
+        admin = open_redis(server.url)
+        client = aioredis.from_url(server.url, socket_timeout=0.3)
+        try:
+            hub = RedisHub(
+                client, replay_ttl=5, handle_ttl=5, flush_interval=0.01, max_generation_seconds=60
+            )
+            async with hub:
+                h = handle()
+                log = await hub.register(h, lambda: None)
+                for e in events(h, ["message", "message"]):
+                    log.append(e)
+                await hub.flush()
+                stall = asyncio.create_task(admin.execute_command("DEBUG", "SLEEP", "3"))
+                await asyncio.sleep(0.05)
+                await hub.finish(h, Event("messageEnd", "1", "100", {"status": "completed"}, 3))
+                await stall
+
+                async def written():  # what Redis has, not this process's copy
+                    entries = await admin.xrange("sc:log:100")
+                    kinds = {
+                        seq: kind for _, f in entries for seq, kind, *_ in orjson.loads(f[b"e"])
+                    }
+                    return [kinds[seq] for seq in sorted(kinds)]
+
+                for _ in range(100):
+                    if (await written())[-1:] == ["messageEnd"]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await written() == ["message", "message", "messageEnd"]
+        finally:
+            await client.aclose()
+            await admin.aclose()

@@ -384,7 +384,7 @@ async def test_the_sources_page_links_only_http_and_sends_security_headers(
     hrefs = re.findall(r'href="([^"]*)"', page.text)
     assert hrefs and all(h.startswith("http") for h in hrefs)
     assert "evil" in page.text and "<script>" not in page.text
-    for response in (page, await client.get("/")):
+    for response in (page, await client.get("/"), await client.get("/static/index.html")):
         csp = response.headers["content-security-policy"]
         assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
         assert "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
@@ -568,3 +568,55 @@ async def test_start_up_says_what_is_missing(tmp_path):
         assert "web search will not work" in output and "TAVILY_API_KEY" in output
     finally:
         server.stop()
+
+
+async def test_an_answer_still_ends_when_the_store_refuses_to_save_it(settings, fake_model):
+    """Postgres turned read-only mid-answer (as after a failover): the client gets its
+    end, the chat is free again, and the answer is saved once writes come back."""
+    pg = PostgresServer()
+    pg.start()
+    try:
+        url = new_database(pg.url)
+        name = url.rsplit("/", 1)[1]
+
+        async def read_only(on: bool) -> None:
+            import asyncpg
+
+            conn = await asyncpg.connect(pg.url + "/postgres")
+            try:
+                value = "on" if on else "off"
+                await conn.execute(
+                    f"ALTER DATABASE {name} SET default_transaction_read_only = {value}"
+                )
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    name,
+                )
+            finally:
+                await conn.close()
+
+        with serve(create_app(settings.replace(store={"url": url}))) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as http:
+                body = chat_body("#tokens=60 #delay=0.02", chatId="ro1")
+                async with http.stream("POST", "/api/chat/sse", json=body) as response:
+                    stream = iter_sse(response)
+                    head = await read_events(stream, 5)
+                    await read_only(True)
+                    tail = await rest(stream)
+                assert tail[-1].type == "messageEnd" and tail[-1].data["status"] == "completed"
+                await read_only(False)
+
+                async def saved():
+                    response = await http.get("/api/chats/ro1")
+                    if response.status_code != 200:
+                        return None
+                    answer = response.json()["messages"][-1]
+                    return answer if answer["status"] == "completed" else None
+
+                answer = await wait_for(saved, timeout=20)
+                assert answer["content"] == answer_of(head + tail)
+                again = await read_sse_events(http, chat_body("again #tokens=2", chatId="ro1"))
+                assert again[-1].data["status"] == "completed"  # not "already running"
+    finally:
+        pg.remove()

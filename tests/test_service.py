@@ -5,6 +5,7 @@ HTTP server), the store a real SQLite file, the hub the in-process one."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from app.errors import Conflict, Forbidden, NotFound
 from app.main import open_service
 from app.metrics import Metrics
 from app.protocol import ChatRequest, Encoder, Event
+from app.store import Chat, StoredMessage
 from app.streams import Handle
 from tests.fakes.search import RELEVANT_QUESTION
 
@@ -201,3 +203,24 @@ async def test_drain_cancels_what_runs_and_each_ends_with_message_end(service, f
     for reader in readers:
         assert (await reader)[-1][2]["status"] == "cancelled"
     assert service.running() == 0
+
+
+async def test_the_sweeper_closes_every_orphan_however_many(service):
+    """Rows left `streaming` by a process that is gone, more than one page of them."""
+    old = time.time() - 3600
+    for i in range(450):
+        await service.store.begin_answer(
+            Chat(f"o{i}", "1", "t", "deepSeek", old),
+            StoredMessage(f"oq{i}", f"o{i}", "user", "q", old + i),
+            StoredMessage(
+                f"oa{i}",
+                f"o{i}",
+                "assistant",
+                "",
+                old + i + 0.5,
+                status="streaming",
+                reply_to=f"oq{i}",
+            ),
+        )
+    assert await service.sweep() == 450
+    assert await service.store.streaming_answers(time.time()) == []

@@ -32,6 +32,7 @@ log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
+STORE_SAVE_SECONDS = 3.0  # longer, and the answer is saved in the background instead
 TITLE_MAX_CHARS = 80
 
 
@@ -212,16 +213,21 @@ class Generation:
             rewritten=self.rewritten,
             sources=self.unsaved_sources,
         )
-        try:
-            await svc.store.finish_answer(h.answer_id, saved)
-        except Unavailable:
-            svc.save_later(h.answer_id, saved)
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
             svc.metrics.errors.labels(error.key).inc()
         else:
             terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
-        await svc.hub.finish(h, terminal)
+        try:
+            # a store that hangs or fails in any way is retried later, never waited on
+            async with asyncio.timeout(STORE_SAVE_SECONDS):
+                await svc.store.finish_answer(h.answer_id, saved)
+        except Exception as exc:
+            if not isinstance(exc, Unavailable | TimeoutError):
+                log.error("saving answer %s failed", h.answer_id, exc_info=exc)
+            svc.save_later(h.answer_id, saved)
+        finally:
+            await svc.hub.finish(h, terminal)
         self._record(final, error)
         if self.new_chat:
             svc.spawn(svc.make_title(h.chat_id, self.request.content))

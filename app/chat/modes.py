@@ -69,10 +69,13 @@ class WebSources(Sources):
 
 
 class ResearchSources(Sources):
-    """The deepResearch loop: plan, search sub-questions, reflect, repeat."""
+    """The deepResearch loop: plan, search sub-questions (on the web and in the
+    request's files), reflect, repeat."""
+
+    reads_files = True
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.research.find_sources(job.out, job.question)
+        return await job.research.find_sources(job.out, job.question, job.files)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import ResearchSettings
 from ..errors import AppError
+from ..files.service import FileService
 from ..llm import LLMClient
 from ..prompts import Prompts, answer_lines
 from ..search.base import SearchResult
 from ..search.web import Progress, WebSearch, until_deadline
+from ..store import FileRecord
 
 log = logging.getLogger("app.research")
 
@@ -45,14 +48,25 @@ class _Prefixed:
 
 class DeepResearch:
     def __init__(
-        self, settings: ResearchSettings, *, search: WebSearch, llm: LLMClient, prompts: Prompts
+        self,
+        settings: ResearchSettings,
+        *,
+        search: WebSearch,
+        files: FileService,
+        llm: LLMClient,
+        prompts: Prompts,
     ) -> None:
         self.settings = settings
         self.search = search
+        self.files = files
         self.llm = llm
         self.prompts = prompts
 
-    async def find_sources(self, out: Progress, question: str) -> list[SearchResult]:
+    async def find_sources(
+        self, out: Progress, question: str, files: Sequence[FileRecord] = ()
+    ) -> list[SearchResult]:
+        """The sources of every iteration, deduplicated — web results and, with `files`,
+        their passages for each sub-question too."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.time_budget_seconds
         found: dict[str, SearchResult] = {}
@@ -68,9 +82,9 @@ class DeepResearch:
                 data=f"iteration {iteration}: searching {len(pending)} sub-question{'s' if len(pending) != 1 else ''}",
             )
             searched.extend(pending)
-            new = await self._search_all(out, iteration, pending, deadline)
+            new = await self._search_all(out, iteration, pending, deadline, files)
             for result in new:
-                found.setdefault(result.url, result)
+                found.setdefault(_key(result), result)
             out.emit("progress", data=f"iteration {iteration}: {len(found)} sources so far")
             if loop.time() >= deadline:
                 out.emit(
@@ -100,16 +114,29 @@ class DeepResearch:
         return answer_lines(answer) or [question]
 
     async def _search_all(
-        self, out: Progress, iteration: int, questions: list[str], deadline: float
+        self,
+        out: Progress,
+        iteration: int,
+        questions: list[str],
+        deadline: float,
+        files: Sequence[FileRecord],
     ) -> list[SearchResult]:
-        """Every sub-question at once; what has not finished by the deadline is dropped."""
+        """Every sub-question at once, on the web and in the files; what has not
+        finished by the deadline is dropped."""
         prefixed = _Prefixed(out, f"iteration {iteration}: ")
         searches = [
             self.search.find_sources(prefixed, q, "quality", self.settings.pages_per_question)
             for q in questions
         ]
+        if files:
+            out.emit("progress", data=f"iteration {iteration}: searching your files")
+            searches += [self._in_files(files, q) for q in questions]
         found = await until_deadline(searches, deadline)
         return [result for results in found if results for result in results]
+
+    async def _in_files(self, files: Sequence[FileRecord], question: str) -> list[SearchResult]:
+        passages = await self.files.passages(files, question, self.settings.pages_per_question)
+        return [p.result for p in passages]
 
     async def _reflect(
         self, question: str, searched: list[str], found: list[SearchResult], deadline: float
@@ -139,3 +166,8 @@ class DeepResearch:
         if answer.strip().lower().strip(".") == "stop":
             return []
         return [q for q in answer_lines(answer) if q not in searched and q.lower() != "stop"]
+
+
+def _key(result: SearchResult) -> str:
+    """What makes two sources the same: the page, or the file's passage."""
+    return f"{result.file_id}#{result.snippet[:80]}" if result.file_id else result.url

@@ -41,6 +41,7 @@ from .research import DeepResearch
 log = logging.getLogger("app.chat")
 
 SWEEP_GRACE = 2.0  # seconds an answer row exists before a sweeper looks at it
+SWEEP_PAGE = 200
 
 Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
 HISTORY_MESSAGES = 20
@@ -337,7 +338,7 @@ class ChatService:
             try:
                 await backend.ping()
             except Exception as exc:  # any failure means "not ready"; say which
-                failing[name] = f"{type(exc).__name__}: {exc}"
+                failing[name] = exc.message if isinstance(exc, AppError) else "not answering"
         return failing
 
     def public_host(self, request_host: str) -> str:
@@ -359,21 +360,28 @@ class ChatService:
         closed = 0
         # a claim outlives a dead owner by handle_ttl: younger rows cannot be orphans yet
         before = time.time() - max(SWEEP_GRACE, self.hub.claim_ttl)
-        candidates = [
-            answer
-            for answer in await self.store.streaming_answers(before)
-            if answer.id not in self._generations and answer.id not in self._unsaved
-        ]
-        states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
-        for answer, state in zip(candidates, states, strict=True):
-            if state != "gone":
-                continue
-            logged = await self.hub.logged(answer.id)
-            saved = saved_from(logged, fallback=answer)
-            if await self.store.finish_answer(answer.id, saved, only_streaming=True):
-                closed += 1
-                log.info("closed orphaned answer %s as %s", answer.id, saved.status)
-        return closed
+        after: tuple[float, str] | None = None
+        while True:
+            page = await self.store.streaming_answers(before, after, SWEEP_PAGE)
+            candidates = [
+                answer
+                for answer in page
+                if answer.id not in self._generations and answer.id not in self._unsaved
+            ]
+            states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
+            for answer, state in zip(candidates, states, strict=True):
+                if state == "gone":
+                    closed += await self._close_orphan(answer)
+            if len(page) < SWEEP_PAGE:
+                return closed
+            after = (page[-1].created_at, page[-1].id)
+
+    async def _close_orphan(self, answer: StoredMessage) -> int:
+        saved = saved_from(await self.hub.logged(answer.id), fallback=answer)
+        if await self.store.finish_answer(answer.id, saved, only_streaming=True):
+            log.info("closed orphaned answer %s as %s", answer.id, saved.status)
+            return 1
+        return 0
 
     async def _sweeper(self) -> None:
         while True:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
 from ..errors import SearchError
+
+log = logging.getLogger("app.search")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +93,11 @@ class SearchProvider(abc.ABC):
         try:
             response = await self.http.send(request)
         except httpx.HTTPError as exc:
-            raise SearchError(f"{self.name} is unreachable: {exc!r}") from exc
+            log.warning("%s is unreachable: %r", self.name, exc)
+            raise SearchError(f"{self.name} is unreachable") from exc
         if response.status_code >= 400:
-            raise SearchError(f"{self.name} answered {response.status_code}: {response.text[:200]}")
+            log.warning("%s answered %d: %s", self.name, response.status_code, response.text[:200])
+            raise SearchError(f"{self.name} answered {response.status_code}")
         try:
             return response.json()
         except ValueError as exc:

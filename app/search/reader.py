@@ -64,7 +64,7 @@ class JinaReader(Reader):
                 timeout=self.settings.timeout_seconds,
             )
         except httpx.HTTPError as exc:
-            raise SearchError(f"reader unreachable for {url}: {exc!r}") from exc
+            raise SearchError(f"reader unreachable for {url} ({type(exc).__name__})") from exc
         if response.status_code >= 400:
             raise SearchError(f"reader answered {response.status_code} for {url}")
         return clip(response.text)

@@ -297,9 +297,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def streaming_answers(
-        self, created_before: float, limit: int = 100
+        self,
+        created_before: float,
+        after: tuple[float, str] | None = None,
+        limit: int = 100,
     ) -> list[StoredMessage]:
-        """Answers still `streaming` that began before `created_before`, oldest first."""
+        """Answers still `streaming` that began before `created_before`, oldest first
+        (by `created_at`, then id), from after the (created_at, id) `after`."""
 
     # -- what the processes of a deployment share --------------------------------------------
 

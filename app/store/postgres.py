@@ -117,15 +117,17 @@ MIGRATIONS = (
     """,
 )
 
-#: what says the database cannot be reached or used right now (not a bug of ours)
+#: what says the database cannot be reached or used right now: connection trouble, and
+#: anything the server refuses (read-only after a failover, out of resources, shutting
+#: down) but a broken constraint, which each method maps where it means something
 UNAVAILABLE = (
     OSError,
     TimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
-    asyncpg.exceptions.OperatorInterventionError,
-    asyncpg.exceptions.InsufficientResourcesError,
+    asyncpg.PostgresError,
 )
+COMMAND_SECONDS = 10.0
 
 mapped = mapping_errors(UNAVAILABLE)
 
@@ -139,7 +141,11 @@ class PostgresStore(Store):
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(
-            self.url, min_size=self.min_size, max_size=self.max_size, init=_init_connection
+            self.url,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            init=_init_connection,
+            command_timeout=COMMAND_SECONDS,
         )
         try:
             await migrate(self._pool)
@@ -293,12 +299,19 @@ class PostgresStore(Store):
 
     @mapped
     async def streaming_answers(
-        self, created_before: float, limit: int = 100
+        self,
+        created_before: float,
+        after: tuple[float, str] | None = None,
+        limit: int = 100,
     ) -> list[StoredMessage]:
+        at, last = after or (-1.0, "")
         rows = await self.pool.fetch(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
-            " AND created_at < $1 ORDER BY created_at LIMIT $2",
+            " AND created_at < $1 AND (created_at, id) > ($2, $3)"
+            " ORDER BY created_at, id LIMIT $4",
             created_before,
+            at,
+            last,
             limit,
         )
         return [_message(row) for row in rows]

@@ -349,12 +349,17 @@ class SQLiteStore(Store):
 
     @mapped
     async def streaming_answers(
-        self, created_before: float, limit: int = 100
+        self,
+        created_before: float,
+        after: tuple[float, str] | None = None,
+        limit: int = 100,
     ) -> list[StoredMessage]:
+        at, last = after or (-1.0, "")
         rows = await self._rows(
             f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
-            " AND created_at < ? ORDER BY created_at LIMIT ?",
-            (created_before, limit),
+            " AND created_at < ? AND (created_at > ? OR (created_at = ? AND id > ?))"
+            " ORDER BY created_at, id LIMIT ?",
+            (created_before, at, at, last, limit),
         )
         return [_message(row) for row in rows]
 

@@ -60,14 +60,18 @@ log = logging.getLogger("app.streams")
 
 PREFIX = "sc:"
 CHANNEL = PREFIX + "cancel"
+#: set (with a TTL of `settle`) by the first process to find Redis empty: until it
+#: expires, owners are re-asserting, so claims are refused and none counts as gone
+RECOVERING = PREFIX + "recovering"
 LOG_CAP = 100_000  # entries (batches) per generation, approximate
 BLOCK_MS = 1000
 FLUSH_AT = 256  # pending events of one generation that trigger a flush before the interval
 REWRITE_BATCH = 500  # events per entry when a whole log is written again
 
-# claim a chat unless this process's key is gone (then Redis lost its data): 1, 0, -1
+# claim a chat: 1 claimed, 0 another generation has it, -1 the registry is recovering
+# (this process's key is gone — Redis lost its data — or another process said so)
 CLAIM = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 0 or redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
@@ -142,6 +146,8 @@ class RedisHub(StreamHub):
         self._recovering_until = 0.0  # registrations wait (Redis lost its data)
         self._doubt_until = 0.0  # a missing claim means "unknown" (an outage was seen)
         self._outage = False
+        self._say_recovering = False
+        self._needs_reassert: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -173,11 +179,13 @@ class RedisHub(StreamHub):
         return time.monotonic() < self._doubt_until
 
     def _lost_data(self) -> None:
-        """Redis came back empty: owners need `settle` seconds to re-assert."""
+        """Redis came back empty: owners need `settle` seconds to re-assert. Says so in
+        Redis too, for processes that did not see the outage."""
         until = time.monotonic() + self.settle
         self._recovering_until = max(self._recovering_until, until)
         self._doubt_until = max(self._doubt_until, until)
         self._beat_now.set()
+        self._say_recovering = True
 
     def _connection_lost(self) -> None:
         self._doubt_until = max(self._doubt_until, time.monotonic() + self.settle + 2.0)
@@ -199,7 +207,8 @@ class RedisHub(StreamHub):
         cap_key = cap_key or handle.user_id
         with unavailable():
             claimed = await self._claim(
-                keys=[_run(handle.chat_id), _proc(self.token)], args=[payload, self.handle_ttl_ms]
+                keys=[_run(handle.chat_id), _proc(self.token), RECOVERING],
+                args=[payload, self.handle_ttl_ms],
             )
             if claimed == -1:
                 self._lost_data()
@@ -257,8 +266,11 @@ class RedisHub(StreamHub):
                 )
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            # the claim expires by itself; the terminal event stays queued for the flusher
+            # the claim expires by itself; the terminal event stays queued, and the
+            # flusher writes it when Redis is back
             log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
+            self._wake.set()
+            self._urgent.set()
         finally:
             if log_ is not None:
                 log_.end(terminal)
@@ -304,11 +316,13 @@ class RedisHub(StreamHub):
         if not answers:
             return []
         try:
-            claims = await self.redis.mget([_run(chat_id) for chat_id, _ in answers])
+            *claims, recovering_now = await self.redis.mget(
+                [_run(chat_id) for chat_id, _ in answers] + [RECOVERING]
+            )
         except (RedisError, OSError):
             self._connection_lost()
             return ["unknown"] * len(answers)
-        doubtful = self._doubtful()
+        doubtful = self._doubtful() or recovering_now is not None
         out = []
         for (_, answer_id), raw in zip(answers, claims, strict=True):
             if self.local.runs(answer_id) or (
@@ -328,12 +342,19 @@ class RedisHub(StreamHub):
             return []
         with unavailable():
             entries = _entries([(b"", await self.redis.xrange(_log(answer_id)))])
-        return [event for _id, fields in entries for event in _load_events(fields[b"e"], handle)]
+        # a flush sent again after a failure may have written some events twice
+        events: dict[int, Event] = {}
+        for _id, fields in entries:
+            for event in _load_events(fields[b"e"], handle):
+                events.setdefault(event.seq, event)
+        return [events[seq] for seq in sorted(events)]
 
     async def lead(self, chore: str, ttl: float) -> bool:
         if self._doubtful():
             return False
         try:
+            if await self.redis.exists(RECOVERING):
+                return False
             held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
         except (RedisError, OSError):
             return False
@@ -411,24 +432,30 @@ class RedisHub(StreamHub):
 
     async def _reassert(self, logs: list[GenerationLog]) -> None:
         """Write again what Redis lost of this process's generations: handles, latest
-        pointers and whole logs (what was pending included)."""
+        pointers and whole logs (what was pending included). Raises when Redis fails;
+        the caller keeps them to try again."""
         async with self._flush_lock:
+            written: dict[str, int] = {}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for log_ in logs:
                     h = log_.handle
                     keep = self.replay_ttl_ms
                     if not log_.finished:
                         keep += self.max_generation_ms
-                    self._pending.pop(h.answer_id, None)
                     pipe.set(_gen(h.answer_id), _dump_handle(h), px=keep)
                     pipe.set(_latest(h.chat_id), h.answer_id, px=keep)
                     pipe.delete(_log(h.answer_id))
-                    events = log_.events
+                    events = list(log_.events)
                     for start in range(0, len(events), REWRITE_BATCH):
                         batch = events[start : start + REWRITE_BATCH]
                         pipe.xadd(_log(h.answer_id), {"e": _dump_events(batch)})
                     pipe.pexpire(_log(h.answer_id), keep)
+                    written[h.answer_id] = events[-1].seq if events else 0
                 await pipe.execute()
+            for answer_id, last in written.items():  # what was pending is written now
+                pending = [e for e in self._pending.pop(answer_id, []) if e.seq > last]
+                if pending:
+                    self._pending[answer_id] = pending
         log.info("re-asserted %d answers after redis lost its data", len(logs))
 
     async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
@@ -551,18 +578,27 @@ class RedisHub(StreamHub):
             results = await pipe.execute()
         was_alive, kept = results[0], results[1 : 1 + len(running)]
         flags = results[-1] if running else []
-        lost = was_alive is None
-        if lost:
+        if was_alive is None:
             self._lost_data()
+            self._needs_reassert.update(log_.handle.answer_id for log_ in self.local.kept_logs())
+        if self._say_recovering:
+            await self.redis.set(RECOVERING, self.token, px=int(self.settle * 1000), nx=True)
+            self._say_recovering = False
         self._check_kept(running, kept)
         again = [r for r, k in zip(running, kept, strict=True) if k == 2]
-        if lost or again:
-            logs = (
-                self.local.kept_logs()
-                if lost
-                else [self.local.log(r.handle.answer_id) for r in again]
-            )
+        ended = [r for r in again if not self.local.runs(r.handle.answer_id)]
+        if ended:  # it ended while this beat ran: the claim was set again, take it back
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for r in ended:
+                    await self._release(
+                        keys=[_run(r.handle.chat_id)], args=[_dump_handle(r.handle)], client=pipe
+                    )
+                await pipe.execute()
+        self._needs_reassert.update(r.handle.answer_id for r in again if r not in ended)
+        if self._needs_reassert:
+            logs = [self.local.log(answer_id) for answer_id in self._needs_reassert]
             await self._reassert([log_ for log_ in logs if log_ is not None])
+            self._needs_reassert.clear()
         for r, flagged in zip(running, flags, strict=False):
             if flagged:
                 self.local.cancel(r.handle.answer_id)
