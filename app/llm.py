@@ -17,10 +17,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import openai
 import orjson
+from openai.types.chat import ChatCompletionMessageParam
 
 from .config import EmbeddingsSettings, LLMSettings
 from .errors import ConfigError, ModelError, StreamError
@@ -32,10 +33,12 @@ Message = dict[str, str]
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """A piece of the model's answer: `reasoning`, `content` or `keepalive`."""
+    """A piece of the model's answer: `reasoning`, `content` or `keepalive`; or, last,
+    `usage`: the tokens the model counted (`usage` holds its `usage` object)."""
 
     kind: str
     text: str = ""
+    usage: dict[str, Any] | None = None
 
 
 KEEPALIVE = Delta("keepalive")
@@ -122,8 +125,9 @@ class LLMClient:
             try:
                 async with client.chat.completions.with_streaming_response.create(
                     model=model or self.settings.model,
-                    messages=list(messages),  # type: ignore[arg-type]
+                    messages=cast(list[ChatCompletionMessageParam], list(messages)),
                     stream=True,
+                    stream_options={"include_usage": True},
                 ) as response:
                     yield response
                     return
@@ -146,7 +150,7 @@ class LLMClient:
             async with asyncio.timeout(timeout):
                 response = await client.chat.completions.with_raw_response.create(
                     model=model or self.settings.effective_small_model,
-                    messages=list(messages),  # type: ignore[arg-type]
+                    messages=cast(list[ChatCompletionMessageParam], list(messages)),
                     max_tokens=max_tokens if max_tokens else openai.omit,
                 )
                 body = orjson.loads(await response.http_response.aread())
@@ -203,8 +207,10 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
             error = chunk["error"]
             detail = error.get("message") if isinstance(error, dict) else error
             raise StreamError(f"the model reported an error mid-stream: {detail}")
+        usage = chunk.get("usage")
+        counted = [Delta("usage", usage=usage)] if isinstance(usage, dict) else []
         if not choices:
-            return []
+            return counted
         delta = choices[0].get("delta") or {}
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         content = delta.get("content")
@@ -217,7 +223,7 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
         out.append(Delta("reasoning", reasoning))
     if content:
         out.extend(splitter.feed(content))
-    return out
+    return out + counted
 
 
 @contextlib.contextmanager

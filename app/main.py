@@ -32,7 +32,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import perplexica, sse, ws
+from .transport import openai, perplexica, sse, ws
 from .transport.http import AuthMiddleware
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ def create_app(
         Route("/api/config", api.config, methods=["GET"]),
         Route("/api/config", perplexica.save_config, methods=["POST"]),
         Route("/api/suggestions", api.suggestions, methods=["POST"]),
+        Route("/api/usage", api.usage, methods=["GET"]),
         Route("/api/uploads", api.upload, methods=["POST"]),
         Route("/api/uploads", api.list_uploads, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),
@@ -163,6 +164,9 @@ def create_app(
         Route("/api/videos", perplexica.videos, methods=["POST"]),
         Route("/api/discover", perplexica.discover, methods=["GET"]),
         Route("/api/search", perplexica.search, methods=["POST"]),
+        # any OpenAI client (PROTOCOL §10)
+        Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

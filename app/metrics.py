@@ -66,6 +66,12 @@ class Metrics:
             registry=r,
             buckets=DURATION_BUCKETS,
         )
+        self.tokens = Counter(
+            "searchchat_tokens_total",
+            "Tokens the answering model counted (or was estimated to), by model and kind",
+            ["model", "kind"],
+            registry=r,
+        )
         self.upstream_latency = Histogram(
             "searchchat_upstream_latency_seconds",
             "Model request sent to its first delta",

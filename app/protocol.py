@@ -318,6 +318,8 @@ def render_simple(event: Event) -> dict[str, Any] | None:
         meta["status"] = data.get("status", "completed")
         if "questionMessageId" in data:
             meta["questionMessageId"] = data["questionMessageId"]
+        if "usage" in data:
+            meta["usage"] = data["usage"]
         content = "query " + meta["status"]
     else:
         meta["key"] = data.get("key", "INTERNAL")

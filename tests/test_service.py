@@ -65,7 +65,21 @@ async def test_a_plain_answer_is_numbered_events_from_empty_message_to_end(servi
         (6, "message", {"data": "tok2 "}),
         (7, "message", {"data": "tok3 "}),
         (8, "message", {"data": "tok4 "}),
-        (9, "messageEnd", {"status": "completed", "questionMessageId": "101"}),
+        (
+            9,
+            "messageEnd",
+            {
+                "status": "completed",
+                "questionMessageId": "101",
+                # as the model counted: the prompt's words, 5 + 2 reasoning chunks
+                "usage": {
+                    "prompt_tokens": 37,
+                    "completion_tokens": 7,
+                    "reasoning_tokens": 2,
+                    "total_tokens": 44,
+                },
+            },
+        ),
     ]
     _chat, messages, _files = await service.open_chat("100", "1")
     assert [(m.role, m.content, m.status) for m in messages] == [
@@ -126,10 +140,13 @@ async def test_cancel_mid_answer_ends_cancelled_and_keeps_the_partial_answer(ser
             await service.cancel("400", "1")
             break
     events.extend(await record(service, handle, after=events[-1][0]))
-    assert events[-1][1:] == (
+    kind, end = events[-1][1:]
+    usage = end.pop("usage")  # the model never said: estimated from what it sent
+    assert (kind, end) == (
         "messageEnd",
         {"status": "cancelled", "questionMessageId": handle.question_id},
     )
+    assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 0
     assert (await fake_model.wait_stream_end()).outcome == "client_closed"
     _chat, messages, _files = await service.open_chat("400", "1")
     answer = messages[-1]

@@ -14,14 +14,14 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AppError, StreamError, Unavailable
 from ..llm import Message
 from ..protocol import ChatRequest
 from ..search.base import SearchResult
 from ..search.web import context_of, source_entries
-from ..store import FileRecord, Saved
+from ..store import FileRecord, Saved, Usage
 from ..streams import Handle, LogWriter
 from .modes import MODES, PLAIN_PROMPT, SourceJob
 
@@ -61,6 +61,8 @@ class Generation:
         self.reasoning: list[str] = []
         self.rewritten: str | None = None
         self.unsaved_sources: list[dict[str, object]] | None = None
+        self.counted: dict[str, Any] | None = None  # the model's `usage`
+        self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
         self.work = asyncio.get_running_loop().create_task(
@@ -126,6 +128,7 @@ class Generation:
         messages.extend({"role": role, "content": text} for role, text in history)
         messages.append({"role": "user", "content": req.content})
 
+        self.prompt_chars = sum(len(m["content"]) for m in messages)
         emit, content, reasoning = self.out.emit, self.content, self.reasoning
         emit("message", data="")
         requested = time.monotonic()
@@ -141,6 +144,8 @@ class Generation:
             elif kind == "reasoning":
                 reasoning.append(delta.text)
                 emit("reasoning", data=delta.text)
+            elif kind == "usage":
+                self.counted = delta.usage
             else:
                 self.out.keepalive()
 
@@ -205,6 +210,7 @@ class Generation:
         soon as the store is back (the events stay in the log meanwhile)."""
         svc, h = self.service, self.handle
         final = status if error is None else "failed"
+        usage = self._usage()
         saved = Saved(
             content="".join(self.content),
             reasoning="".join(self.reasoning),
@@ -212,12 +218,18 @@ class Generation:
             question_id=h.question_id,
             rewritten=self.rewritten,
             sources=self.unsaved_sources,
+            usage=usage,
         )
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
             svc.metrics.errors.labels(error.key).inc()
         else:
-            terminal = self.out.next("messageEnd", status=status, questionMessageId=h.question_id)
+            terminal = self.out.next(
+                "messageEnd",
+                status=status,
+                questionMessageId=h.question_id,
+                **({"usage": usage.to_json()} if usage else {}),
+            )
         try:
             # a store that hangs or fails in any way is retried later, never waited on
             async with asyncio.timeout(STORE_SAVE_SECONDS):
@@ -232,12 +244,35 @@ class Generation:
         if self.new_chat:
             svc.spawn(svc.make_title(h.chat_id, self.request.content))
 
+    def _usage(self) -> Usage | None:
+        """What the answer cost: the model's own count, else an estimate (about four
+        characters a token); None when the model was never asked."""
+        model = self.request.model or self.service.settings.llm.model
+        if self.counted is not None:
+            details = self.counted.get("completion_tokens_details") or {}
+            return Usage(
+                model,
+                int(self.counted.get("prompt_tokens") or 0),
+                int(self.counted.get("completion_tokens") or 0),
+                int(details.get("reasoning_tokens") or 0),
+            )
+        if not self.prompt_chars:
+            return None
+        reasoning = estimate_tokens(sum(map(len, self.reasoning)))
+        completion = estimate_tokens(sum(map(len, self.content))) + reasoning
+        return Usage(model, estimate_tokens(self.prompt_chars), completion, reasoning, True)
+
     def _record(self, status: str, error: AppError | None) -> None:
         """One metrics update and one structured log line per generation."""
         metrics, req, h = self.service.metrics, self.request, self.handle
         duration = time.monotonic() - self.accepted_at
         metrics.generations.labels(status).inc()
         metrics.generation_duration.observe(duration)
+        usage = self._usage()
+        if usage is not None:
+            metrics.tokens.labels(usage.model, "prompt").inc(usage.prompt_tokens)
+            metrics.tokens.labels(usage.model, "completion").inc(usage.completion_tokens)
+            metrics.tokens.labels(usage.model, "reasoning").inc(usage.reasoning_tokens)
         generation_log.info(
             "generation",
             extra={
@@ -266,3 +301,8 @@ class Generation:
 def _log_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("ending a generation failed", exc_info=task.exception())
+
+
+def estimate_tokens(chars: int) -> int:
+    """Tokens in so many characters of text, roughly (for a model that does not count)."""
+    return (chars + 3) // 4

@@ -33,7 +33,7 @@ from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
 from ..protocol import ChatRequest, Encoder, Event, parse_event_id
 from ..search.web import WebSearch
-from ..store import Chat, FileRecord, Saved, Store, StoredMessage
+from ..store import Chat, FileRecord, Saved, Store, StoredMessage, Usage
 from ..streams import Handle, LogWriter, StreamHub
 from .generation import TITLE_MAX_CHARS, Generation
 from .research import DeepResearch
@@ -229,6 +229,11 @@ class ChatService:
         self.metrics.cancels.inc()
         return handle
 
+    def stop_here(self, handle: Handle) -> None:
+        """Cancel a generation of this process at once (its client went away and wants
+        no more of it: the OpenAI-compatible API); nothing when it has ended."""
+        self._cancel_here(handle.answer_id)
+
     def _ended(self, answer_id: str, run: asyncio.Task[None]) -> None:
         self._runs.discard(run)
         self._generations.pop(answer_id, None)
@@ -318,6 +323,10 @@ class ChatService:
         )
         text = await self.llm.complete([{"role": "user", "content": prompt}])
         return answer_lines(text)[:5]
+
+    async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
+        """What the user's answers cost since `since`, per model."""
+        return await self.store.usage(user_id, since)
 
     async def stored_history(
         self, chat_id: str, before: str | None = None

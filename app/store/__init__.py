@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage
+from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage, Usage
 
 
 def open_store(url: str) -> Store:
@@ -29,5 +29,6 @@ __all__ = [
     "Store",
     "StoredChunk",
     "StoredMessage",
+    "Usage",
     "open_store",
 ]

@@ -92,6 +92,31 @@ class StoredChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Usage:
+    """The tokens one answer cost, as the model counted them (or estimated, when it
+    did not say)."""
+
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+    estimated: bool = False
+    answers: int = 1  # how many answers, in a sum
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Saved:
     """What an ended answer saves: its text and status, and what its question learnt
     while it ran (the rewrite; the sources, when they could not be saved at once)."""
@@ -102,6 +127,7 @@ class Saved:
     question_id: str | None = None
     rewritten: str | None = None
     sources: list[dict[str, Any]] | None = None
+    usage: Usage | None = None
 
 
 #: the column order both backends select in, so one mapping serves both
@@ -357,3 +383,9 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def chat_files(self, chat_ids: list[str]) -> dict[str, list[FileRecord]]:
         """The files attached to each of the chats (chats without files left out)."""
+
+    # -- token usage ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
+        """What the user's answers since `since` cost, summed per model."""

@@ -25,6 +25,7 @@ from .base import (
     Store,
     StoredChunk,
     StoredMessage,
+    Usage,
     chat_from_row,
     file_from_row,
     file_params,
@@ -114,6 +115,15 @@ MIGRATIONS = (
         PRIMARY KEY (chat_id, file_id)
     );
     CREATE INDEX chat_files_by_file ON chat_files (file_id);
+    """,
+    # 4: what each answer cost, in tokens
+    """
+    ALTER TABLE messages
+        ADD COLUMN model TEXT,
+        ADD COLUMN prompt_tokens INTEGER,
+        ADD COLUMN completion_tokens INTEGER,
+        ADD COLUMN reasoning_tokens INTEGER,
+        ADD COLUMN usage_estimated BOOLEAN;
     """,
 )
 
@@ -268,6 +278,18 @@ class PostgresStore(Store):
                 answer_id,
             )
             changed = _one_row(result)
+            if changed and saved.usage is not None:
+                u = saved.usage
+                await conn.execute(
+                    "UPDATE messages SET model = $1, prompt_tokens = $2, completion_tokens = $3,"
+                    " reasoning_tokens = $4, usage_estimated = $5 WHERE id = $6",
+                    u.model,
+                    u.prompt_tokens,
+                    u.completion_tokens,
+                    u.reasoning_tokens,
+                    u.estimated,
+                    answer_id,
+                )
             if changed and saved.question_id is not None and saved.rewritten is not None:
                 await conn.execute(
                     "UPDATE messages SET rewritten = $1 WHERE id = $2",
@@ -443,6 +465,21 @@ class PostgresStore(Store):
         for row in rows:
             out.setdefault(row[0], []).append(file_from_row(tuple(row)[1:]))
         return out
+
+    # -- token usage ----------------------------------------------------------------------
+
+    @mapped
+    async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
+        rows = await self.pool.fetch(
+            "SELECT m.model, count(*), sum(m.prompt_tokens), sum(m.completion_tokens),"
+            " sum(coalesce(m.reasoning_tokens, 0)), bool_or(coalesce(m.usage_estimated, false))"
+            " FROM messages m JOIN chats c ON c.id = m.chat_id"
+            " WHERE c.user_id = $1 AND m.role = 'assistant' AND m.model IS NOT NULL"
+            " AND m.created_at >= $2 GROUP BY m.model ORDER BY m.model",
+            user_id,
+            since,
+        )
+        return [Usage(r[0], int(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[1])) for r in rows]
 
 
 _INSERT_MESSAGE = (

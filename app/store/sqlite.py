@@ -31,6 +31,7 @@ from .base import (
     Store,
     StoredChunk,
     StoredMessage,
+    Usage,
     chat_from_row,
     file_from_row,
     file_params,
@@ -136,6 +137,14 @@ MIGRATIONS = (
         PRIMARY KEY (chat_id, file_id)
     );
     CREATE INDEX chat_files_by_file ON chat_files (file_id);
+    """,
+    # 4: what each answer cost, in tokens
+    """
+    ALTER TABLE messages ADD COLUMN model TEXT;
+    ALTER TABLE messages ADD COLUMN prompt_tokens INTEGER;
+    ALTER TABLE messages ADD COLUMN completion_tokens INTEGER;
+    ALTER TABLE messages ADD COLUMN reasoning_tokens INTEGER;
+    ALTER TABLE messages ADD COLUMN usage_estimated INTEGER;
     """,
 )
 
@@ -320,6 +329,20 @@ class SQLiteStore(Store):
                 (saved.content, saved.reasoning, saved.status, answer_id),
             )
             changed = cursor.rowcount == 1
+            if changed and saved.usage is not None:
+                u = saved.usage
+                await db.execute(
+                    "UPDATE messages SET model = ?, prompt_tokens = ?, completion_tokens = ?,"
+                    " reasoning_tokens = ?, usage_estimated = ? WHERE id = ?",
+                    (
+                        u.model,
+                        u.prompt_tokens,
+                        u.completion_tokens,
+                        u.reasoning_tokens,
+                        int(u.estimated),
+                        answer_id,
+                    ),
+                )
             if changed and saved.question_id is not None and saved.rewritten is not None:
                 await db.execute(
                     "UPDATE messages SET rewritten = ? WHERE id = ?",
@@ -479,6 +502,20 @@ class SQLiteStore(Store):
         for row in rows:
             out.setdefault(row[0], []).append(file_from_row(row[1:]))
         return out
+
+    # -- token usage ----------------------------------------------------------------------
+
+    @mapped
+    async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
+        rows = await self._rows(
+            "SELECT m.model, count(*), sum(m.prompt_tokens), sum(m.completion_tokens),"
+            " sum(coalesce(m.reasoning_tokens, 0)), max(coalesce(m.usage_estimated, 0))"
+            " FROM messages m JOIN chats c ON c.id = m.chat_id"
+            " WHERE c.user_id = ? AND m.role = 'assistant' AND m.model IS NOT NULL"
+            " AND m.created_at >= ? GROUP BY m.model ORDER BY m.model",
+            (user_id, since),
+        )
+        return [Usage(r[0], r[2], r[3], r[4], bool(r[5]), r[1]) for r in rows]
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:

@@ -35,6 +35,29 @@ def error_response(exc: AppError, **extra: Any) -> JSONResponse:
     return JSONResponse(error_body(exc, **extra), status_code=exc.status, headers=headers)
 
 
+#: our error keys → OpenAI's error type and code
+ERROR_TYPES = {
+    "BAD_REQUEST": ("invalid_request_error", None),
+    "UNAUTHORIZED": ("invalid_request_error", "invalid_api_key"),
+    "FORBIDDEN": ("permission_error", None),
+    "NOT_FOUND": ("invalid_request_error", "model_not_found"),
+    "RATE_LIMITED": ("rate_limit_error", "rate_limit_exceeded"),
+    "CONFIG_ERROR": ("server_error", "not_configured"),
+    "CHAT_ERROR": ("api_error", "upstream_unreachable"),
+    "STREAM_ERROR": ("api_error", "upstream_error"),
+    "SEARCH_ERROR": ("api_error", "search_error"),
+    "INTERNAL": ("server_error", None),
+}
+
+
+def openai_error(exc: AppError) -> JSONResponse:
+    """An error in OpenAI's shape, with its HTTP status (and `Retry-After`)."""
+    kind, code = ERROR_TYPES.get(exc.key, ("server_error", None))
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    body = {"error": {"message": exc.message, "type": kind, "code": code}}
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
 def json_errors(endpoint: Endpoint) -> Endpoint:
     """Turn an error raised before a response starts into its JSON error body: an
     `AppError` as it says, anything else (a bug) as 500 `INTERNAL`, logged."""
@@ -149,6 +172,8 @@ class AuthMiddleware:
                     request.headers.get("authorization"), token
                 )
             except AppError as exc:
-                await error_response(exc)(scope, receive, send)
+                # each API answers in its own shape: OpenAI's under /v1/
+                render = openai_error if scope["path"].startswith("/v1/") else error_response
+                await render(exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

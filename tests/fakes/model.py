@@ -16,6 +16,11 @@ message, so one test can pick it per request:
     #hang          send the first token, then wait until the client goes
     #size=K        each content token is K characters long
     #think         content tokens carry "<think>…</think>" cut across chunks
+    #nousage       no `usage` chunk, even when `stream_options.include_usage` asks
+
+With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
+prompt tokens are the words of the messages, completion tokens the chunks sent
+(reasoning ones counted in `completion_tokens_details.reasoning_tokens`).
 
 Non-streamed completions (rewrite, title, suggestions, ranking) answer from
 `replies`: the first (substring, reply) whose substring is in the prompt; a
@@ -119,7 +124,13 @@ class FakeModel:
             return Response(b"", media_type="text/event-stream")
         record = StreamRecord()
         self.streams.append(record)
-        return StreamingResponse(self._stream(script, record), media_type="text/event-stream")
+        usage = None
+        if (body.get("stream_options") or {}).get("include_usage") and "nousage" not in script:
+            words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+            usage = {"prompt_tokens": words}
+        return StreamingResponse(
+            self._stream(script, record, usage), media_type="text/event-stream"
+        )
 
     def _reply(self, prompt: str) -> str:
         for needle, reply in self.replies:
@@ -127,7 +138,9 @@ class FakeModel:
                 return reply(prompt) if callable(reply) else reply
         return "fake reply"
 
-    async def _stream(self, script: dict[str, str], record: StreamRecord) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, script: dict[str, str], record: StreamRecord, usage: dict[str, int] | None = None
+    ) -> AsyncIterator[bytes]:
         tokens = int(script.get("tokens") or 5)
         reasoning = int(script.get("reasoning") or 2) if "reasoning" in script else 2
         delay = float(script.get("delay") or 0)
@@ -167,6 +180,18 @@ class FakeModel:
                 if delay:
                     await asyncio.sleep(delay)
             yield _chunk({}, finish="stop")
+            if usage is not None:
+                completion = record.tokens_sent + reasoning
+                usage |= {
+                    "completion_tokens": completion,
+                    "total_tokens": usage["prompt_tokens"] + completion,
+                    "completion_tokens_details": {"reasoning_tokens": reasoning},
+                }
+                yield (
+                    b"data: "
+                    + orjson.dumps({"id": "chatcmpl-fake", "choices": [], "usage": usage})
+                    + b"\n\n"
+                )
             yield b"data: [DONE]\n\n"
             record.outcome = "completed"
         finally:

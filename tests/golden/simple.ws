@@ -11,4 +11,4 @@
 {"type":"answer","content":"tok2 ","timestamp":0,"metadata":{"chatId":"301","messageId":"ANSWER"},"eventId":"ANSWER:9"}
 {"type":"answer","content":"tok3 ","timestamp":0,"metadata":{"chatId":"301","messageId":"ANSWER"},"eventId":"ANSWER:10"}
 {"type":"answer","content":"tok4 ","timestamp":0,"metadata":{"chatId":"301","messageId":"ANSWER"},"eventId":"ANSWER:11"}
-{"type":"complete","content":"query completed","timestamp":0,"metadata":{"chatId":"301","messageId":"ANSWER","status":"completed","questionMessageId":"302"},"eventId":"ANSWER:12"}
+{"type":"complete","content":"query completed","timestamp":0,"metadata":{"chatId":"301","messageId":"ANSWER","status":"completed","questionMessageId":"302","usage":{"prompt_tokens":186,"completion_tokens":7,"reasoning_tokens":2,"total_tokens":193}},"eventId":"ANSWER:12"}

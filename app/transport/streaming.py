@@ -1,0 +1,113 @@
+"""A lean streaming HTTP response: chunks as they come, keep-alive pings, a stuck
+client let go, and a callback when the client goes away.
+
+One timer per connection does both the pings and the send timeout (not a
+cancel scope per write): it wakes every `ping_interval` seconds, sends `ping`
+when nothing else went out since, and closes a connection whose current write
+has waited longer than `send_timeout`. A second task listens for the client's
+`http.disconnect`, so a client that goes is noticed at once, even while the
+stream is idle (`on_disconnect` is how the OpenAI-compatible API stops its
+generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("app.stream")
+
+
+class StreamResponse(Response):
+    """Status 200 with `media_type`, then the chunks (see the module docstring)."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
+        ping: bytes | None = None,
+        ping_interval: float = 15.0,
+        send_timeout: float | None = None,
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> None:
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", media_type.encode()),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
+        ]
+        self.ping = ping
+        self.ping_interval = ping_interval
+        self.send_timeout = send_timeout
+        self.on_disconnect = on_disconnect
+        self._last_write = 0.0
+        self._writing_since: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        self._last_write = time.monotonic()
+        writer = asyncio.create_task(self._write(send))
+        watchers = [
+            asyncio.create_task(self._listen(receive)),
+            asyncio.create_task(self._tick(send)),
+        ]
+        try:
+            await asyncio.wait([writer, *watchers], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, *watchers):
+                task.cancel()
+            for task in (writer, *watchers):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            with contextlib.suppress(AttributeError):
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+        if not writer.cancelled() and writer.exception() is None:
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        elif self.on_disconnect is not None:
+            self.on_disconnect()
+
+    async def _write(self, send: Send) -> None:
+        async for chunk in self.chunks:
+            self._writing_since = time.monotonic()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._writing_since = None
+            self._last_write = time.monotonic()
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _tick(self, send: Send) -> None:
+        """Pings while idle; gives up on a client whose write is stuck. Returns (ends
+        the response) only for a stuck client."""
+        interval = self.ping_interval
+        if self.send_timeout is not None:
+            interval = min(interval, max(self.send_timeout / 2, 0.5))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if (
+                self.send_timeout is not None
+                and self._writing_since is not None
+                and now - self._writing_since > self.send_timeout
+            ):
+                log.info("letting go of a client that stopped reading")
+                return
+            if self.ping is not None and self._writing_since is None:
+                if now - self._last_write >= self.ping_interval:
+                    self._writing_since = now
+                    await send({"type": "http.response.body", "body": self.ping, "more_body": True})
+                    self._writing_since = None
+                    self._last_write = time.monotonic()
