@@ -27,6 +27,7 @@ from .protocol import (
     parse_id,
     parse_messages,
 )
+from .search.web import choose_provider
 from .store import Chat, FileRecord, StoredMessage
 from .store.base import iso
 from .transport.http import (
@@ -178,7 +179,7 @@ async def config(request: Request) -> Response:
             "focusModes": list(FOCUS_MODES),
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
-            "searchProvider": settings.search.provider,
+            "searchProvider": choose_provider(settings).name,
             "readerProvider": settings.reader.provider,
             "chatModel": settings.llm.model,
             "smallModel": settings.llm.effective_small_model,

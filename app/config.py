@@ -62,9 +62,24 @@ class EmbeddingsSettings:
 
 @dataclass(frozen=True)
 class SearchSettings:
-    provider: str = "tavily"
+    #: auto: tavily with a key, else searxng with a URL, else google with a key and a
+    #: CSE id, else ddgs (keyless)
+    provider: str = "auto"
     max_results: int = 8
     timeout_seconds: float = 20.0
+
+
+@dataclass(frozen=True)
+class DdgsSettings:
+    region: str = "us-en"
+    safesearch: str = "moderate"
+    #: "auto", or some of the library's services, comma-separated ("duckduckgo,brave")
+    backend: str = "auto"
+    #: per request the library makes, in whole seconds (it takes an int)
+    timeout_seconds: int = 5
+    cache_seconds: float = 120.0
+    #: an http(s) or socks5 proxy URL for the library's requests (DDGS_PROXY); empty: none
+    proxy: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,7 @@ class Settings:
     tavily: TavilySettings = field(default_factory=TavilySettings)
     searxng: SearxngSettings = field(default_factory=SearxngSettings)
     google: GoogleSettings = field(default_factory=GoogleSettings)
+    ddgs: DdgsSettings = field(default_factory=DdgsSettings)
     reader: ReaderSettings = field(default_factory=ReaderSettings)
     research: ResearchSettings = field(default_factory=ResearchSettings)
     uploads: UploadSettings = field(default_factory=UploadSettings)
@@ -218,18 +234,29 @@ def load(
         if name == "server" and "WEB_CONCURRENCY" in env and "SERVER_WORKERS" not in env:
             values["workers"] = _from_env(env["WEB_CONCURRENCY"], int, "WEB_CONCURRENCY")
         sections[name] = cls(**values)
-    return _derive(Settings(**sections))
+    return _derive(Settings(**sections), file.resolve().parent)
 
 
-def _derive(settings: Settings) -> Settings:
-    """Fill the keys whose default is another key (embeddings from llm)."""
+def _derive(settings: Settings, folder: Path) -> Settings:
+    """Fill the keys whose default is another key (embeddings from llm), and make a
+    relative SQLite path relative to the config file's folder — not to wherever the
+    server happens to be started (which would open an empty history)."""
     emb = settings.embeddings
     return settings.replace(
         embeddings={
             "base_url": emb.base_url or settings.llm.base_url,
             "api_key": emb.api_key or settings.llm.api_key,
-        }
+        },
+        store={"url": sqlite_beside(settings.store.url, folder)},
     )
+
+
+def sqlite_beside(url: str, folder: Path) -> str:
+    """`sqlite:///data/chat.db` → `sqlite:////<folder>/data/chat.db`; other URLs as they are."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or url.startswith(prefix + "/") or url == prefix + ":memory:":
+        return url
+    return prefix + str(folder / url[len(prefix) :])
 
 
 def _coerce(value: Any, kind: Any, where: str) -> Any:

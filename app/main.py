@@ -29,7 +29,7 @@ from .llm import Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
 from .prompts import Prompts
-from .search.web import WebSearch, search_problem
+from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
 from .transport import openai, perplexica, sse, ws
@@ -197,7 +197,13 @@ def announce(settings: Settings, service: ChatService) -> None:
                 "redis": bool(settings.redis.url),
                 "model": settings.llm.model,
                 "modelHost": urlsplit(settings.llm.base_url).hostname,
-                "searchProvider": settings.search.provider,
+                **dict(
+                    zip(
+                        ("searchProvider", "searchProviderReason"),
+                        choose_provider(settings),
+                        strict=True,
+                    )
+                ),
                 "auth": bool(settings.auth.api_keys),
                 "workerNumber": service.ids.worker,
                 "pid": os.getpid(),

@@ -12,7 +12,9 @@ user message:
     #stamp      each token is "t<send time in ns> " (for latency measurements)
     #wait=S     seconds before the first chunk
 
-Non-streamed requests (title, rewrite) get a short fixed answer at once.
+Non-streamed requests (title, rewrite) get a short fixed answer at once, and
+`/v1/embeddings` requests a deterministic vector of `EMBEDDING_DIMS` floats per
+input at once (so a benchmark of uploads measures the server, not a model).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PREFIX = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":
 SUFFIX = b'},"finish_reason":null}]}\n\n'
 DONE = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
 BATCH = 64  # tokens per write when streaming as fast as it can
+EMBEDDING_DIMS = 1024  # as large as real embeddings models' (bge-m3, text-embedding-3-small…)
 
 
 def chunk(payload: bytes) -> bytes:
@@ -66,6 +69,14 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                 if line[:15].lower() == b"content-length:":
                     length = int(line[15:])
             body = await reader.readexactly(length)
+            if head.startswith(b"POST /v1/embeddings"):
+                answer = embeddings(body)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(answer), answer)
+                )
+                await writer.drain()
+                continue
             if b'"stream":true' not in body.replace(b" ", b""):
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -78,6 +89,20 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
         pass
     finally:
         writer.close()
+
+
+def embeddings(body: bytes) -> bytes:
+    """A vector per input: a few of its words' hashes set, the rest zero (cheap to make,
+    and texts that share words come out alike)."""
+    inputs = orjson.loads(body)["input"]
+    inputs = inputs if isinstance(inputs, list) else [inputs]
+    data = []
+    for i, text in enumerate(inputs):
+        vector = [0.0] * EMBEDDING_DIMS
+        for word in str(text).lower().split()[:64]:
+            vector[hash(word) % EMBEDDING_DIMS] += 1.0
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    return orjson.dumps({"object": "list", "data": data, "model": "fast-embed"})
 
 
 async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:

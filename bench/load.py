@@ -8,7 +8,10 @@ HTTP client, so the load generator's core is not the bottleneck it measures.
     python -m bench.load --url http://127.0.0.1:8080 --streams 200 --tokens 200 --rate 20 --seconds 10
 
 runs a bounded load (half SSE, half WebSocket) and prints what it saw; the
-benchmark suite (`python -m bench.run`) uses the functions below.
+benchmark suite (`python -m bench.run`) uses the functions below. The server's
+model must be `bench.fastmodel` (`LLM_BASE_URL=http://127.0.0.1:9001/v1`): the
+load asks for paced, time-stamped tokens with directives (`#tokens=`, `#rate=`,
+`#stamp`) in its questions, which only that fake model understands.
 """
 
 from __future__ import annotations

@@ -82,3 +82,15 @@ def test_bad_environment_values_fail_at_start():
         load(env={"APP_CONFIG": "", "PORT": "eighty"})
     with pytest.raises(SettingsError, match="AUTH_API_KEYS"):
         load(env={"APP_CONFIG": "", "AUTH_API_KEYS": "justakey"})
+
+
+def test_a_relative_sqlite_path_is_beside_the_config_file(tmp_path):
+    folder = tmp_path / "deploy"
+    folder.mkdir()
+    (folder / "config.toml").write_text('[store]\nurl = "sqlite:///data/chat.db"\n')
+    settings = load(folder / "config.toml", env={})
+    assert settings.store.url == f"sqlite:///{folder}/data/chat.db"
+    absolute = load(folder / "config.toml", env={"STORE_URL": "sqlite:////srv/x.db"})
+    assert absolute.store.url == "sqlite:////srv/x.db"
+    postgres = load(folder / "config.toml", env={"STORE_URL": "postgresql://db/chat"})
+    assert postgres.store.url == "postgresql://db/chat"

@@ -168,16 +168,19 @@ def read_docx(data: bytes) -> str:
 
 
 def decode(data: bytes) -> str:
-    for encoding in ("utf-8-sig", "utf-16"):
+    """Text in UTF-8 (or UTF-16 with its byte-order mark), else Latin-1; a file with NUL
+    bytes in it is not text."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         try:
-            text = data.decode(encoding)
-        except UnicodeDecodeError:
-            continue
-        if "\x00" not in text:
-            return text
-    if b"\x00" in data[:4096]:
+            return data.decode("utf-16")
+        except UnicodeDecodeError as exc:
+            raise Refused("the file is not text") from exc
+    if b"\x00" in data[:65536]:
         raise Refused("the file is not text")
-    return data.decode("latin-1")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
 
 
 def main() -> None:

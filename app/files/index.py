@@ -1,8 +1,8 @@
 """Chunking and ranking of a file's text.
 
 Chunks are windows of `chunk_tokens` tokens that overlap by `overlap` tokens,
-cut from the pages' text (so a passage is the file's own words) and numbered
-with the page they start on. Tokens here are words and punctuation marks — close
+cut from each page's text (so a passage is the file's own words, and is cited
+with its page). Tokens here are words and punctuation marks — close
 to what a model's tokenizer counts for prose, and with no tokenizer to download.
 
 Ranking is brute force over the chunks of one request's files, which is fast
@@ -34,27 +34,19 @@ class Chunk:
 
 
 def chunk_pages(pages: Sequence[str], size: int, overlap: int) -> list[Chunk]:
-    """The pages' text as overlapping windows of `size` tokens."""
-    spans: list[tuple[int, int, int]] = []  # (page index, start, end) of every token
-    for index, page in enumerate(pages):
-        spans.extend((index, m.start(), m.end()) for m in TOKEN.finditer(page))
+    """Each page's text as windows of `size` tokens overlapping by `overlap`; a chunk
+    never crosses a page, so every passage can be cited with its page."""
     step = size - max(0, min(overlap, size - 1))
     chunks: list[Chunk] = []
-    start = 0
-    while start < len(spans):
-        window = spans[start : start + size]
-        parts = []
-        page_index, begin, end = window[0]
-        for index, token_start, token_end in window[1:]:
-            if index != page_index:  # the window crosses a page
-                parts.append(pages[page_index][begin:end])
-                page_index, begin = index, token_start
-            end = token_end
-        parts.append(pages[page_index][begin:end])
-        chunks.append(Chunk(len(chunks), window[0][0] + 1, "\n".join(parts)))
-        if start + size >= len(spans):
-            break
-        start += step
+    for number, page in enumerate(pages, start=1):
+        spans = [(m.start(), m.end()) for m in TOKEN.finditer(page)]
+        start = 0
+        while start < len(spans):
+            window = spans[start : start + size]
+            chunks.append(Chunk(len(chunks), number, page[window[0][0] : window[-1][1]]))
+            if start + size >= len(spans):
+                break
+            start += step
     return chunks
 
 

@@ -13,10 +13,11 @@ keeps its snippet; the whole of search and reading is bounded by
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import time
 from collections.abc import Awaitable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import httpx
 
@@ -25,6 +26,7 @@ from ..errors import AppError, SearchError
 from ..llm import Embedder, LLMClient
 from ..prompts import Prompts
 from .base import MediaResult, NewsItem, SearchProvider, SearchResult, SearchScope
+from .ddgs import DdgsSearch
 from .google import GoogleSearch
 from .rank import rank_by_embeddings, select_with_model
 from .reader import Reader, open_reader
@@ -56,18 +58,57 @@ def search_problem(settings: Settings) -> str | None:
         return "search.provider is searxng but no instance is set (SEARXNG_URL)"
     if provider == "google" and not (settings.google.api_key and settings.google.cse_id):
         return "search.provider is google but GOOGLE_API_KEY and GOOGLE_CSE_ID are not both set"
+    if choose_provider(settings).name == "ddgs" and importlib.util.find_spec("ddgs") is None:
+        return "the keyless search library is not installed (pip install ddgs)"
     return None
 
 
-def open_provider(settings: Settings, http: httpx.AsyncClient) -> SearchProvider:
+class ProviderChoice(NamedTuple):
+    name: str
+    #: why, for the start-up line: "auto: no Tavily key, SearxNG URL set → searxng"
+    reason: str
+
+
+def choose_provider(settings: Settings) -> ProviderChoice:
+    """The provider `search.provider` means: itself, or for `auto` the first one
+    configured of tavily, searxng and google, else ddgs (keyless)."""
     provider = settings.search.provider
+    if provider != "auto":
+        return ProviderChoice(provider, f"search.provider = {provider}")
+    google = settings.google
+    no_google = (
+        "no Google CSE id"
+        if google.api_key
+        else "no Google key"
+        if google.cse_id
+        else "no Google key or CSE id"
+    )
+    said = []
+    for name, configured, yes, no in (
+        ("tavily", bool(settings.tavily.api_key), "Tavily key set", "no Tavily key"),
+        ("searxng", bool(settings.searxng.url), "SearxNG URL set", "no SearxNG URL"),
+        ("google", bool(google.api_key and google.cse_id), "Google key and CSE id set", no_google),
+    ):
+        said.append(yes if configured else no)
+        if configured:
+            return ProviderChoice(name, f"auto: {', '.join(said)} → {name}")
+    return ProviderChoice("ddgs", f"auto: {', '.join(said)} → ddgs")
+
+
+def open_provider(settings: Settings, http: httpx.AsyncClient) -> SearchProvider:
+    """The provider `choose_provider` names; `ValueError` for an unknown one."""
+    provider = choose_provider(settings).name
     if provider == "tavily":
         return TavilySearch(http, settings.tavily)
     if provider == "searxng":
         return SearxngSearch(http, settings.searxng)
     if provider == "google":
         return GoogleSearch(http, settings.google)
-    raise ValueError(f"unsupported search.provider {provider!r}: use tavily, searxng or google")
+    if provider == "ddgs":
+        return DdgsSearch(http, settings.ddgs, timeout=settings.search.timeout_seconds)
+    raise ValueError(
+        f"unsupported search.provider {provider!r}: use auto, tavily, searxng, google or ddgs"
+    )
 
 
 class WebSearch:
