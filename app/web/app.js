@@ -1,354 +1,495 @@
-// The searchchat web client: asks over SSE (fetch streaming) or WebSocket, renders the
-// streamed answer as sanitised Markdown with [N] citations, stops through
-// POST /api/chat/cancel, and resumes an answer in flight after a reload.
-"use strict";
+// The searchchat web client: asks over SSE (a streaming fetch) or WebSocket, shows the
+// answer as it streams, stops it, and follows it across lost connections by resuming
+// with Last-Event-ID. Chats live on the server; settings in this browser.
+import {
+  api,
+  auth,
+  explain,
+  Failure,
+  failureOf,
+  getJson,
+  postJson,
+  randomId,
+  readSse,
+  setKey,
+  Socket,
+  upload,
+  withUser,
+  withUserBody,
+} from "./net.js";
+import { button, fileChip, site, TurnView } from "./turn.js";
 
 const $ = (selector) => document.querySelector(selector);
 const store = window.localStorage;
 
-const state = {
-  userId: store.getItem("userId") || randomId(),
-  apiKey: store.getItem("apiKey") || "",
-  chatId: null,
-  turn: null, // the turn being streamed: {chatId, view, controller}
-  socket: null,
+/** Pauses between attempts to resume an answer whose connection broke (ms). */
+const BACKOFF = [300, 1000, 2000, 4000];
+
+const FOCUS_LABELS = {
+  webSearch: "Web",
+  academicSearch: "Academic",
+  youtubeSearch: "YouTube",
+  redditSearch: "Reddit",
+  wolframAlphaSearch: "Wolfram Alpha",
+  deepResearch: "Deep research",
+  deepSeek: "Chat",
+  mathAssistant: "Math",
+  writingAssistant: "Writing",
+  translator: "Translate",
 };
-store.setItem("userId", state.userId);
+/** Focus modes whose answers search the web (the optimization mode applies to them). */
+const SEARCHING = new Set(["webSearch", "academicSearch", "youtubeSearch", "redditSearch", "wolframAlphaSearch"]);
 
-function randomId() {
-  // a positive 62-bit decimal id, as the server's ids are
-  const words = crypto.getRandomValues(new Uint32Array(2));
-  return ((BigInt(words[0] & 0x3fffffff) << 32n) | BigInt(words[1])).toString();
-}
+const DEFAULTS = { transport: "sse", focus: "webSearch", mode: "speed", copilot: true, theme: "system", media: false };
+const settings = { ...DEFAULTS, ...JSON.parse(store.getItem("settings") || "{}") };
 
-function headers(extra = {}) {
-  const out = { ...extra };
-  if (state.apiKey) out.Authorization = `Bearer ${state.apiKey}`;
-  return out;
-}
+const state = {
+  config: null,
+  chatId: null,
+  turn: null, // the answer being received (see startLive)
+  follow: true, // auto-scroll: follows the answer until the reader scrolls up
+  attachments: [], // files picked for the next question: {name, status, fileId, chip}
+};
 
-async function api(path, options = {}) {
-  const response = await fetch(path, { ...options, headers: headers(options.headers) });
-  if (response.status === 401 && askForKey()) return api(path, options);
-  return response;
-}
+const socket = new Socket(onFrame, onSocketClose);
 
-function askForKey() {
-  const key = window.prompt("This server needs an API key:");
-  if (!key) return false;
-  state.apiKey = key.trim();
-  store.setItem("apiKey", state.apiKey);
-  return true;
-}
+// ---- asking --------------------------------------------------------------------------
 
-// ---- rendering --------------------------------------------------------------------
+const hooks = {
+  copy,
+  regenerate: (view) => ask(view.question, { messageId: view.messageId, replace: view }),
+  edit: (view, text) => ask(text, { messageId: view.messageId, replace: view }),
+  retry,
+  media,
+  pick: (text) => ask(text),
+  enterKey: async (view) => {
+    if (await auth.askForKey("needed")) retry(view);
+  },
+};
 
-class TurnView {
-  constructor(question) {
-    this.el = $("#turn-template").content.firstElementChild.cloneNode(true);
-    this.el.querySelector(".question").textContent = question;
-    this.answer = "";
-    this.reasoning = "";
-    this.sources = [];
-    this.pending = false;
-    this.el.dataset.state = "streaming";
-    $("#empty").hidden = true;
-    $("#conversation").appendChild(this.el);
-    this.scroll();
+/** Ask `content` in the open chat; with `replace`, that turn is asked again (regenerate,
+ * edit) and it and every later turn make way, as the server deletes them. */
+async function ask(content, { messageId = randomId(), replace = null } = {}) {
+  if (state.turn) return;
+  if (!state.chatId) {
+    state.chatId = randomId();
+    history.replaceState(null, "", `#chat=${state.chatId}`);
   }
-
-  part(name) {
-    return this.el.querySelector(`.${name}`);
-  }
-
-  scroll() {
-    const pane = $("#conversation");
-    pane.scrollTop = pane.scrollHeight;
-  }
-
-  onEvent(event) {
-    switch (event.type) {
-      case "rewrited":
-        this.progress(`searching for: ${event.content}`);
-        break;
-      case "progress":
-        this.progress(event.data);
-        break;
-      case "sources":
-        this.showSources(event.data);
-        break;
-      case "reasoning":
-        this.reasoning += event.data;
-        this.part("reasoning").hidden = false;
-        this.part("reasoning-text").textContent = this.reasoning;
-        break;
-      case "message":
-        this.answer += event.data;
-        this.render();
-        break;
-      case "messageEnd":
-        this.end(event.status);
-        break;
-      case "error":
-        this.end("error", event.data);
-        break;
-    }
-  }
-
-  progress(text) {
-    const line = document.createElement("div");
-    line.textContent = text;
-    this.part("progress").appendChild(line);
-  }
-
-  showSources(entries) {
-    const box = this.part("sources");
-    box.replaceChildren();
-    this.sources = entries.filter((s) => s.metadata && s.metadata.title !== "All Sources");
-    this.sources.forEach((source, i) => {
-      const card = document.createElement("a");
-      card.className = "source";
-      card.href = safeUrl(source.metadata.url);
-      card.target = "_blank";
-      card.rel = "noopener noreferrer";
-      const title = document.createElement("span");
-      title.className = "t";
-      title.innerHTML = `<span class="n">${i + 1}</span>`;
-      title.append(source.metadata.title || source.metadata.url);
-      const host = document.createElement("div");
-      host.className = "h";
-      host.textContent = hostOf(source.metadata.url);
-      card.append(title, host);
-      box.appendChild(card);
-    });
-    const all = entries.find((s) => s.metadata && s.metadata.title === "All Sources");
-    if (all) {
-      const link = document.createElement("a");
-      link.className = "source all";
-      link.href = safeUrl(all.metadata.url);
-      link.target = "_blank";
-      link.rel = "noopener noreferrer";
-      link.textContent = "All sources";
-      box.appendChild(link);
-    }
-  }
-
-  render() {
-    if (this.pending) return;
-    this.pending = true;
-    requestAnimationFrame(() => {
-      this.pending = false;
-      this.part("answer").innerHTML = markdown(this.answer, this.sources);
-      this.scroll();
-    });
-  }
-
-  end(status, detail) {
-    this.part("progress").classList.add("done");
-    this.part("answer").innerHTML = markdown(this.answer, this.sources);
-    const line = this.part("status");
-    line.className = `status ${status === "cancelled" ? "stopped" : status}`;
-    line.textContent =
-      status === "cancelled" ? "stopped" : status === "error" || status === "failed" ? `failed: ${detail || ""}` : "";
-    this.el.dataset.state = status === "error" ? "failed" : status || "completed";
-  }
-}
-
-function markdown(text, sources) {
-  const cited = text.replace(/\[(\d+)\]/g, (whole, n) => {
-    const source = sources[Number(n) - 1];
-    if (!source) return whole;
-    return `<a class="cite" href="${escapeAttr(safeUrl(source.metadata.url))}" target="_blank" rel="noopener noreferrer">[${n}]</a>`;
+  for (const old of document.querySelectorAll(".turn .related")) old.hidden = true;
+  if (replace) removeFrom(replace.el);
+  const files = state.attachments.filter((a) => a.status === "ready");
+  const view = new TurnView(content, hooks, files.map((f) => f.name));
+  view.messageId = messageId;
+  showConversation();
+  const focusMode = $("#focus").value;
+  const body = withUserBody({
+    type: "message",
+    message: { chatId: state.chatId, messageId, content },
+    focusMode,
+    optimizationMode: $("#mode").value,
+    copilotEnabled: $("#copilot").checked,
+    files: files.map((f) => f.fileId),
   });
-  const html = window.marked ? window.marked.parse(cited) : escapeHtml(cited);
-  return window.DOMPurify ? window.DOMPurify.sanitize(html, { ADD_ATTR: ["target"] }) : escapeHtml(text);
-}
-
-function safeUrl(url) {
-  if (typeof url !== "string") return "#";
-  if (url.startsWith("//") || /^https?:\/\//i.test(url)) return url;
-  return "#";
-}
-
-function hostOf(url) {
-  try {
-    return new URL(url, window.location.href).host;
-  } catch {
-    return "";
+  if (files.length) {
+    addChatFiles(files.map((f) => f.name));
+    clearAttachments();
   }
+  state.follow = true;
+  scrollToEnd();
+  const live = startLive(view, state.chatId, body);
+  await receive(live, send);
 }
 
-function escapeHtml(text) {
-  const div = document.createElement("div");
-  div.textContent = text;
-  return div.innerHTML;
+function startLive(view, chatId, body = null) {
+  const live = {
+    view,
+    chatId,
+    body,
+    controller: new AbortController(),
+    lastEventId: view.lastEventId || null,
+    received: 0,
+    done: false,
+    resolveWs: null,
+  };
+  state.turn = live;
+  setBusy(true);
+  return live;
 }
 
-function escapeAttr(text) {
-  return text.replace(/&/g, "&amp;").replace(/"/g, "&quot;").replace(/</g, "&lt;");
-}
-
-// ---- streaming ------------------------------------------------------------------------
-
-// Reads an SSE response body, calling onEvent(json, id) per event.
-async function readSse(response, onEvent) {
-  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += value;
-    let cut;
-    while ((cut = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, cut);
-      buffer = buffer.slice(cut + 2);
-      let id = null;
-      const data = [];
-      for (const line of block.split("\n")) {
-        if (line.startsWith("id:")) id = line.slice(3).trim();
-        else if (line.startsWith("data:")) data.push(line.slice(5).trim());
-      }
-      if (data.length) onEvent(JSON.parse(data.join("\n")), id);
-    }
+/** Runs `first` (send or resume), then resumes with backoff while the connection breaks. */
+async function receive(live, first) {
+  let outcome = await first(live);
+  for (let attempt = 0; outcome === "broken" && !live.done; attempt++) {
+    if (attempt >= BACKOFF.length) return fail(live, new Failure("UNREACHABLE", "resuming failed"));
+    live.view.connection(`Lost the connection to the server. Reconnecting (${attempt + 1} of ${BACKOFF.length})…`);
+    if (!(await pause(BACKOFF[attempt], live.controller.signal))) return;
+    const before = live.received;
+    outcome = await resume(live);
+    if (live.received > before) attempt = -1; // it got further: count the attempts again
   }
+  if (outcome === "lost") hooks.regenerate(live.view);
 }
 
-function remember(chatId, eventId) {
-  const inflight = { chatId, answerId: eventId ? eventId.split(":")[0] : null };
-  store.setItem("inflight", JSON.stringify(inflight));
-}
-
-function settle() {
-  store.removeItem("inflight");
-  state.turn = null;
-  $("#stop").hidden = true;
-  $("#send").disabled = false;
-  refreshChats();
-  // a new chat is named by the model once its answer is out: look again shortly
-  setTimeout(refreshChats, 1500);
-}
-
-function deliver(turn, event, eventId) {
-  if (eventId) remember(turn.chatId, eventId);
-  turn.view.onEvent(event);
-  if (event.type === "messageEnd" || event.type === "error") settle();
-}
-
-async function askOverSse(turn, body) {
-  turn.controller = new AbortController();
+async function send(live) {
+  if (settings.transport === "ws") return sendOverWs(live);
   let response;
   try {
     response = await api("/api/chat/sse", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body),
-      signal: turn.controller.signal,
+      body: JSON.stringify(live.body),
+      signal: live.controller.signal,
     });
   } catch (error) {
-    return deliver(turn, { type: "error", data: String(error) });
+    if (error.name === "AbortError") return "aborted";
+    fail(live, error);
+    return "ended";
   }
   if (!response.ok) {
-    const error = await response.json().catch(() => ({ data: response.statusText }));
-    return deliver(turn, { type: "error", data: error.data });
+    fail(live, await failureOf(response));
+    return "ended";
   }
-  await readSse(response, (event, id) => deliver(turn, event, id)).catch(() => {});
+  return follow(live, response);
 }
 
-function socket() {
-  if (state.socket && state.socket.readyState <= WebSocket.OPEN) return state.socket;
-  const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
-  const token = state.apiKey ? `?token=${encodeURIComponent(state.apiKey)}` : "";
-  const ws = new WebSocket(`${scheme}//${window.location.host}/api/chat/ws${token}`);
-  ws.ready = new Promise((resolve) => ws.addEventListener("open", resolve, { once: true }));
-  ws.addEventListener("message", (message) => {
-    const frame = JSON.parse(message.data);
-    const turn = state.turn;
-    if (!turn || (frame.chatId && frame.chatId !== turn.chatId)) return;
-    if (frame.type === "signal" || frame.type === "pong" || frame.type === "cancelled") return;
-    deliver(turn, frame, frame.eventId);
+async function sendOverWs(live) {
+  try {
+    await socket.send(live.body);
+  } catch (error) {
+    fail(live, error instanceof Failure ? error : new Failure("UNREACHABLE", String(error)));
+    return "ended";
+  }
+  return new Promise((resolve) => {
+    live.ws = socket.ws;
+    live.resolveWs = resolve;
+    live.controller.signal.addEventListener("abort", () => resolve("aborted"));
   });
-  ws.addEventListener("close", () => {
-    if (state.socket === ws) state.socket = null;
-  });
-  state.socket = ws;
-  return ws;
 }
 
-async function askOverWebSocket(turn, body) {
-  const ws = socket();
-  await ws.ready;
-  ws.send(JSON.stringify(body));
+function onFrame(frame, ws) {
+  const live = state.turn;
+  if (!live || !live.resolveWs || live.ws !== ws) return;
+  if (["signal", "pong", "cancelled", "keep-alive"].includes(frame.type)) return;
+  if (frame.chatId && frame.chatId !== live.chatId) return;
+  deliver(live, frame, frame.eventId);
 }
 
-async function ask(question) {
-  if (!state.chatId) state.chatId = randomId();
-  const view = new TurnView(question);
-  const turn = { chatId: state.chatId, view };
-  state.turn = turn;
-  $("#stop").hidden = false;
-  $("#send").disabled = true;
-  remember(turn.chatId, null);
-  const body = {
-    type: "message",
-    userId: state.userId,
-    message: { chatId: state.chatId, messageId: randomId(), content: question },
-    focusMode: $("#focus").value,
-    optimizationMode: $("#mode").value,
-    copilotEnabled: $("#copilot").checked,
-  };
-  if ($("#transport").value === "ws") await askOverWebSocket(turn, body);
-  else await askOverSse(turn, body);
+function onSocketClose(code, ws) {
+  const live = state.turn;
+  if (!live || !live.resolveWs || live.ws !== ws || live.done) return;
+  if (code === 4401) return fail(live, new Failure("UNAUTHORIZED"));
+  const resolve = live.resolveWs;
+  live.resolveWs = null; // what follows comes by SSE resume
+  resolve("broken");
 }
 
+/** GET /api/chat/sse/resume from the last event received; a generation the server no
+ * longer has (404) is looked up in the chat instead. */
+async function resume(live) {
+  const url = withUser(`/api/chat/sse/resume?chatId=${encodeURIComponent(live.chatId)}`);
+  let response;
+  try {
+    response = await api(url, {
+      headers: live.lastEventId ? { "Last-Event-ID": live.lastEventId } : {},
+      signal: live.controller.signal,
+    });
+  } catch (error) {
+    return error.name === "AbortError" ? "aborted" : "broken";
+  }
+  if (response.status === 404) return recover(live);
+  if (!response.ok) {
+    if (response.status >= 500 || response.status === 429) return "broken";
+    fail(live, await failureOf(response));
+    return "ended";
+  }
+  live.view.connection(null);
+  if (!live.lastEventId) live.view.reset(); // the whole generation is replayed
+  return follow(live, response);
+}
+
+async function follow(live, response) {
+  try {
+    await readSse(response, (event, id) => deliver(live, event, id));
+  } catch (error) {
+    if (live.controller.signal.aborted) return "aborted";
+  }
+  return live.done ? "ended" : "broken";
+}
+
+/** The answer as saved, when its stream is gone: finished, or lost with the server. */
+async function recover(live) {
+  let chat;
+  try {
+    chat = await getJson(withUser(`/api/chats/${live.chatId}`));
+  } catch (error) {
+    if (error.key === "UNREACHABLE") return "broken";
+    fail(live, error);
+    return "ended";
+  }
+  const view = live.view;
+  const saved = chat.messages.find((m) => m.role === "assistant" && m.questionMessageId === view.messageId);
+  if (saved && (saved.status === "completed" || saved.status === "cancelled")) {
+    view.answer = saved.content;
+    view.reasoning = saved.reasoning || "";
+    view.showSources(saved.sources || []);
+    deliver(live, { type: "messageEnd", status: saved.status });
+    return "ended";
+  }
+  if (live.orRegenerate) {
+    finishHere(live);
+    return "lost";
+  }
+  if (saved && saved.content.length > view.answer.length) view.answer = saved.content;
+  fail(live, new Failure("LOST"));
+  return "ended";
+}
+
+function deliver(live, event, id) {
+  if (live.done) return;
+  if (id) live.lastEventId = live.view.lastEventId = id;
+  live.received++;
+  live.view.onEvent(event);
+  if (event.type === "messageEnd" || event.type === "error") settle(live, event);
+}
+
+function fail(live, failure) {
+  deliver(live, { type: "error", key: failure.key, data: failure.detail, retryAfter: failure.retryAfter });
+}
+
+/** The turn is over (`event`: its last event, null when it was ended here). */
+function settle(live, event) {
+  finishHere(live);
+  refreshChats();
+  setTimeout(refreshChats, 1500); // a new chat gets its title once the answer is out
+  if (event && event.type === "messageEnd" && event.status === "completed") {
+    suggest(live.view);
+    if (settings.media) for (const kind of ["images", "videos"]) media(live.view, kind);
+  }
+}
+
+function finishHere(live) {
+  live.done = true;
+  if (live.resolveWs) live.resolveWs("ended");
+  live.resolveWs = null;
+  if (state.turn === live) {
+    state.turn = null;
+    setBusy(false);
+  }
+}
+
+/** Stop: cancel on the server, and end the stream here whatever the server says. */
 async function stop() {
-  const turn = state.turn;
-  if (!turn) return;
-  const response = await api("/api/chat/cancel", {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({ chatId: turn.chatId, userId: state.userId }),
+  const live = state.turn;
+  if (!live || live.stopping) return;
+  live.stopping = true;
+  let cancelled = false;
+  try {
+    const response = await api("/api/chat/cancel", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(withUserBody({ chatId: live.chatId })),
+    });
+    cancelled = response.ok;
+  } catch {
+    // unreachable: end it here
+  }
+  if (!cancelled) return abandon(live);
+  setTimeout(() => abandon(live), 3000); // the stream ends "cancelled" at once, normally
+}
+
+function abandon(live) {
+  if (live.done) return;
+  live.controller.abort();
+  live.view.end("cancelled");
+  settle(live, null);
+}
+
+/** Leave the answer being received (another chat opens): the server goes on and saves it. */
+function detach() {
+  const live = state.turn;
+  if (!live) return;
+  live.controller.abort();
+  finishHere(live);
+}
+
+async function retry(view) {
+  if (state.turn) return;
+  const broken = view.el.dataset.error === "UNREACHABLE" && view.lastEventId;
+  if (!broken) return hooks.regenerate(view);
+  // the server may have gone on with it: pick it up, else ask again
+  const live = startLive(view, state.chatId);
+  live.orRegenerate = true;
+  view.connection("Reconnecting…");
+  view.el.dataset.state = "streaming";
+  view.part("actions").hidden = true;
+  await receive(live, resume);
+}
+
+function pause(ms, signal) {
+  return new Promise((resolve) => {
+    if (signal.aborted) return resolve(false);
+    const timer = setTimeout(() => resolve(true), ms);
+    signal.addEventListener("abort", () => {
+      clearTimeout(timer);
+      resolve(false);
+    });
   });
-  if (response.status === 404 && state.turn === turn) {
-    turn.view.end("cancelled");
-    settle();
+}
+
+function setBusy(busy) {
+  $("#send").hidden = busy;
+  $("#stop").hidden = !busy;
+  document.body.classList.toggle("busy", busy);
+}
+
+// ---- per answer: copy, media, follow-ups ------------------------------------------------
+
+async function copy(view, control) {
+  try {
+    await navigator.clipboard.writeText(view.answer);
+  } catch {
+    const scratch = document.createElement("textarea");
+    scratch.value = view.answer;
+    document.body.append(scratch);
+    scratch.select();
+    document.execCommand("copy");
+    scratch.remove();
+  }
+  const label = control.querySelector(".label");
+  label.textContent = "Copied";
+  setTimeout(() => (label.textContent = "Copy"), 1500);
+}
+
+async function media(view, kind) {
+  const control = view.el.querySelector(`.actions .${kind}`);
+  if (control) control.disabled = true;
+  view.showMedia(kind, null);
+  try {
+    const found = await postJson(`/api/${kind}`, { query: view.question, chatHistory: historyBefore(view) });
+    view.showMedia(kind, found[kind] || []);
+  } catch (error) {
+    view.showMedia(kind, [], explain(error.key, error.detail).text);
   }
 }
 
-// After a reload: show the chat, then replay its answer in flight from its first event.
-async function resumeInFlight() {
-  const inflight = JSON.parse(store.getItem("inflight") || "null");
-  if (!inflight) return;
-  await openChat(inflight.chatId, { skipStreaming: true });
-  const messages = state.lastMessages || [];
-  const question = messages.filter((m) => m.role === "user").pop();
-  const view = new TurnView(question ? question.content : "");
-  const turn = { chatId: inflight.chatId, view };
-  state.turn = turn;
-  $("#stop").hidden = false;
-  $("#send").disabled = true;
-  const lastEventId = inflight.answerId ? `${inflight.answerId}:0` : "";
-  const url = `/api/chat/sse/resume?chatId=${encodeURIComponent(inflight.chatId)}&userId=${state.userId}`;
-  const response = await api(url, { headers: lastEventId ? { "Last-Event-ID": lastEventId } : {} });
-  if (!response.ok) {
-    view.el.remove();
-    settle();
-    return openChat(inflight.chatId);
+function historyBefore(view) {
+  const out = [];
+  for (const turn of turnViews()) {
+    if (turn === view) break;
+    out.push({ role: "user", content: turn.question }, { role: "assistant", content: turn.answer });
   }
-  await readSse(response, (event, id) => deliver(turn, event, id)).catch(() => {});
+  return out;
 }
 
-// ---- chats --------------------------------------------------------------------------
+async function suggest(view) {
+  const views = turnViews();
+  if (views[views.length - 1] !== view) return;
+  try {
+    const { suggestions } = await postJson("/api/suggestions", { chatId: state.chatId });
+    const now = turnViews();
+    if (now[now.length - 1] === view && !state.turn) view.showRelated((suggestions || []).slice(0, 5));
+  } catch {
+    // follow-ups are a nicety: none is fine
+  }
+}
+
+// ---- the conversation on the page --------------------------------------------------------
+
+function turnViews() {
+  return [...document.querySelectorAll("#turns .turn")].map((el) => el.turnView);
+}
+
+function removeFrom(el) {
+  let node = el;
+  while (node) {
+    const next = node.nextElementSibling;
+    node.remove();
+    node = next;
+  }
+}
+
+function showConversation() {
+  $("#empty").hidden = Boolean(document.querySelector("#turns .turn"));
+}
+
+function clearConversation() {
+  $("#turns").replaceChildren();
+  $("#chat-files").replaceChildren();
+  $("#chat-files").hidden = true;
+  showConversation();
+}
+
+function addChatFiles(names) {
+  const bar = $("#chat-files");
+  if (!bar.childElementCount) {
+    const label = document.createElement("span");
+    label.className = "hint";
+    label.textContent = "Files in this chat:";
+    bar.append(label);
+  }
+  for (const name of names) bar.append(fileChip(name));
+  bar.hidden = false;
+}
+
+// auto-scroll: follow the end while answers grow, until the reader scrolls up
+const pane = $("#conversation");
+let lastTop = 0;
+let scrollQueued = false;
+
+function gap() {
+  return pane.scrollHeight - pane.scrollTop - pane.clientHeight;
+}
+
+function scrollToEnd() {
+  pane.scrollTop = pane.scrollHeight;
+  lastTop = pane.scrollTop;
+  $("#jump").hidden = true;
+}
+
+pane.addEventListener("scroll", () => {
+  if (gap() < 24) state.follow = true;
+  else if (pane.scrollTop < lastTop - 1) state.follow = false;
+  lastTop = pane.scrollTop;
+  $("#jump").hidden = state.follow || gap() < 24;
+});
+
+$("#turns").addEventListener("grew", () => {
+  if (scrollQueued) return;
+  scrollQueued = true;
+  requestAnimationFrame(() => {
+    scrollQueued = false;
+    if (state.follow) scrollToEnd();
+    else $("#jump").hidden = gap() < 24;
+  });
+});
+
+$("#jump").addEventListener("click", () => {
+  state.follow = true;
+  scrollToEnd();
+});
+
+// ---- chats ------------------------------------------------------------------------------
 
 async function refreshChats() {
-  const response = await api(`/api/chats?userId=${state.userId}`);
-  if (!response.ok) return;
-  const { chats } = await response.json();
+  let chats;
+  try {
+    ({ chats } = await getJson(withUser("/api/chats")));
+  } catch {
+    return;
+  }
   const list = $("#chats");
+  const shown = JSON.stringify([state.chatId, chats]);
+  if (list.dataset.shown === shown) return; // unchanged: keep the buttons (and the focus)
+  list.dataset.shown = shown;
+  const focused = document.activeElement && list.contains(document.activeElement);
   list.replaceChildren();
   for (const chat of chats) {
     const item = document.createElement("li");
     item.dataset.chatId = chat.id;
-    if (chat.id === state.chatId) item.classList.add("active");
+    if (chat.id === state.chatId) {
+      item.classList.add("active");
+      $("#topbar-title").textContent = chat.title;
+    }
     const open = document.createElement("button");
     open.className = "open";
     open.type = "button";
@@ -357,92 +498,402 @@ async function refreshChats() {
     title.textContent = chat.title;
     const when = document.createElement("time");
     when.dateTime = chat.createdAt;
-    when.textContent = new Date(chat.createdAt).toLocaleString();
+    when.textContent = new Date(chat.createdAt).toLocaleString([], { dateStyle: "medium", timeStyle: "short" });
     open.append(title, when);
-    open.addEventListener("click", () => openChat(chat.id));
-    const remove = document.createElement("button");
-    remove.className = "delete";
-    remove.type = "button";
-    remove.title = "Delete this chat";
-    remove.textContent = "×";
-    remove.addEventListener("click", () => deleteChat(chat.id));
+    open.addEventListener("click", () => go(chat.id));
+    const remove = button("delete", "Delete", "trash", `Delete “${chat.title}”`);
+    remove.setAttribute("aria-label", `Delete chat “${chat.title}”`);
+    remove.addEventListener("click", () => deleteChat(chat.id, chat.title));
     item.append(open, remove);
-    list.appendChild(item);
+    list.append(item);
+  }
+  if (focused && !list.contains(document.activeElement)) $("#new-chat").focus();
+}
+
+/** Open a chat through the address (#chat=…), so reload and Back keep it. */
+function go(chatId) {
+  if (chatId === state.chatId) return closeDrawer();
+  window.location.hash = `chat=${chatId}`;
+}
+
+function route() {
+  const match = /^#chat=([A-Za-z0-9_-]{1,64})$/.exec(window.location.hash);
+  if (match) {
+    if (match[1] !== state.chatId || !document.querySelector("#turns .turn")) openChat(match[1]);
+    else closeDrawer();
+  } else if (state.chatId) {
+    newChat();
   }
 }
 
-function clearConversation() {
-  for (const turn of document.querySelectorAll("#conversation .turn")) turn.remove();
-  $("#empty").hidden = false;
-}
-
-async function openChat(chatId, { skipStreaming = false } = {}) {
-  if (state.turn) return;
-  const response = await api(`/api/chats/${chatId}?userId=${state.userId}`);
-  if (!response.ok) return;
-  const { messages } = await response.json();
+async function openChat(chatId) {
+  detach();
+  closeDrawer();
+  let data;
+  try {
+    data = await getJson(withUser(`/api/chats/${chatId}`));
+  } catch (error) {
+    if (error.key === "NOT_FOUND") history.replaceState(null, "", window.location.pathname);
+    else banner(explain(error.key, error.detail).text);
+    return;
+  }
   state.chatId = chatId;
-  state.lastMessages = messages;
   clearConversation();
+  setFocus(data.chat.focusMode);
+  $("#topbar-title").textContent = data.chat.title || "searchchat";
+  if (data.chat.files && data.chat.files.length) addChatFiles(data.chat.files.map((f) => f.name));
   let view = null;
+  let unanswered = null;
+  const messages = data.messages;
   for (const message of messages) {
     if (message.role === "user") {
-      if (skipStreaming && isLastQuestionStreaming(messages, message)) continue;
-      view = new TurnView(message.content);
+      if (unanswered) unanswered.end("failed");
+      view = unanswered = new TurnView(message.content, hooks);
+      view.messageId = message.messageId || message.id;
       if (message.sources && message.sources.length) view.showSources(message.sources);
-    } else if (view && !(skipStreaming && message.status === "streaming")) {
+    } else if (view) {
+      unanswered = null;
+      if (message.status === "streaming" && message === messages[messages.length - 1]) {
+        unanswered = view; // still being written: resumed below
+        continue;
+      }
+      view.answer = message.content;
       view.reasoning = message.reasoning || "";
       if (view.reasoning) {
         view.part("reasoning").hidden = false;
         view.part("reasoning-text").textContent = view.reasoning;
       }
-      view.answer = message.content;
-      view.end(message.status === "completed" ? "" : message.status);
+      view.end(message.status === "streaming" ? "failed" : message.status);
     }
   }
+  showConversation();
   refreshChats();
-}
-
-function isLastQuestionStreaming(messages, question) {
-  const answer = messages.find((m) => m.role === "assistant" && m.questionMessageId === question.id);
-  return answer && answer.status === "streaming";
-}
-
-async function deleteChat(chatId) {
-  const response = await api(`/api/chats/${chatId}?userId=${state.userId}`, { method: "DELETE" });
-  if (response.ok && chatId === state.chatId) {
-    state.chatId = null;
-    clearConversation();
+  const views = turnViews();
+  if (unanswered || !views.length) {
+    state.follow = true;
+    scrollToEnd();
+  } else {
+    // the last question at the top, its answer below it
+    state.follow = false;
+    const top = views[views.length - 1].el.getBoundingClientRect().top;
+    pane.scrollTop += top - pane.getBoundingClientRect().top - 12;
+    lastTop = pane.scrollTop;
   }
-  refreshChats();
+  if (unanswered) {
+    const live = startLive(unanswered, chatId);
+    await receive(live, resume);
+  }
 }
 
-// ---- wiring ---------------------------------------------------------------------------
+function newChat() {
+  detach();
+  state.chatId = null;
+  clearConversation();
+  applyDefaults();
+  $("#topbar-title").textContent = "searchchat";
+  if (window.location.hash) history.pushState(null, "", window.location.pathname);
+  refreshChats();
+  closeDrawer();
+  $("#question").focus();
+}
 
-document.addEventListener("DOMContentLoaded", async () => {
+async function deleteChat(chatId, title) {
+  if (!(await confirmDialog(`Delete “${title}”? Its questions and answers are removed for good.`))) return;
+  try {
+    const response = await api(withUser(`/api/chats/${chatId}`), { method: "DELETE" });
+    if (!response.ok) throw await failureOf(response);
+  } catch (error) {
+    banner(explain(error.key, error.detail).text);
+    return;
+  }
+  if (chatId === state.chatId) newChat();
+  await refreshChats();
+  const first = $("#chats .open");
+  (first || $("#new-chat")).focus();
+}
+
+// ---- attachments -----------------------------------------------------------------------------
+
+function attach(file) {
+  const item = { name: file.name, status: "uploading", fileId: null };
+  const chip = fileChip(file.name);
+  chip.dataset.status = "uploading";
+  const bar = document.createElement("progress");
+  bar.max = 1;
+  bar.value = 0;
+  const note = document.createElement("span");
+  note.className = "note";
+  note.textContent = "uploading…";
+  const remove = document.createElement("button");
+  remove.type = "button";
+  remove.className = "remove";
+  remove.textContent = "×";
+  remove.setAttribute("aria-label", `Remove ${file.name}`);
+  remove.addEventListener("click", () => {
+    state.attachments = state.attachments.filter((a) => a !== item);
+    chip.remove();
+    updateSend();
+  });
+  chip.append(bar, note, remove);
+  item.chip = chip;
+  state.attachments.push(item);
+  $("#attachments").append(chip);
+  updateSend();
+  upload(file, (done) => {
+    bar.value = done;
+    if (done >= 1) note.textContent = "reading…";
+  })
+    .then((record) => {
+      item.status = "ready";
+      item.fileId = record.fileId;
+      note.textContent = record.pages ? `${record.pages} page${record.pages === 1 ? "" : "s"}` : "ready";
+    })
+    .catch((error) => {
+      item.status = "failed";
+      note.textContent = `couldn't attach: ${error.key === "UNREACHABLE" ? "the server is unreachable" : error.detail}`;
+    })
+    .finally(() => {
+      chip.dataset.status = item.status;
+      bar.remove();
+      updateSend();
+    });
+}
+
+function clearAttachments() {
+  state.attachments = state.attachments.filter((a) => a.status === "uploading");
+  for (const chip of $("#attachments").querySelectorAll(".chip")) {
+    if (chip.dataset.status !== "uploading") chip.remove();
+  }
+  updateSend();
+}
+
+function updateSend() {
+  const uploading = state.attachments.some((a) => a.status === "uploading");
+  $("#send").disabled = uploading;
+  $("#send").title = uploading ? "Wait until the files are attached" : "Ask (Enter)";
+}
+
+// ---- settings, modes, theme --------------------------------------------------------------------
+
+function saveSettings() {
+  store.setItem("settings", JSON.stringify(settings));
+}
+
+function applyTheme() {
+  if (settings.theme === "system") delete document.documentElement.dataset.theme;
+  else document.documentElement.dataset.theme = settings.theme;
+}
+
+function fillModes(focusModes, optimizationModes) {
+  for (const select of [$("#focus"), $("#set-focus")]) {
+    select.replaceChildren(...focusModes.map((mode) => new Option(FOCUS_LABELS[mode] || mode, mode)));
+  }
+  for (const select of [$("#mode"), $("#set-mode")]) {
+    select.replaceChildren(...optimizationModes.map((mode) => new Option(mode[0].toUpperCase() + mode.slice(1), mode)));
+  }
+}
+
+function setFocus(mode) {
+  const select = $("#focus");
+  if (mode && ![...select.options].some((o) => o.value === mode)) select.add(new Option(FOCUS_LABELS[mode] || mode, mode));
+  if (mode) select.value = mode;
+  updateControls();
+}
+
+function applyDefaults() {
+  setFocus(settings.focus);
+  $("#mode").value = settings.mode;
+  $("#copilot").checked = settings.copilot;
+  updateControls();
+}
+
+function updateControls() {
+  const focus = $("#focus").value;
+  $("#copilot").disabled = focus !== "webSearch";
+  $("#mode").disabled = !SEARCHING.has(focus);
+}
+
+function openSettings() {
+  $("#set-focus").value = settings.focus;
+  $("#set-mode").value = settings.mode;
+  $("#set-copilot").checked = settings.copilot;
+  $("#set-media").checked = settings.media;
+  $("#set-theme").value = settings.theme;
+  $("#set-transport").value = settings.transport;
+  $("#set-key-row").hidden = !auth.required;
+  $("#set-key-state").textContent = auth.key ? "set" : "not set";
+  $("#settings").showModal();
+}
+
+function readSettings() {
+  const empty = !document.querySelector("#turns .turn");
+  settings.focus = $("#set-focus").value;
+  settings.mode = $("#set-mode").value;
+  settings.copilot = $("#set-copilot").checked;
+  settings.media = $("#set-media").checked;
+  settings.theme = $("#set-theme").value;
+  settings.transport = $("#set-transport").value;
+  saveSettings();
+  applyTheme();
+  if (empty) applyDefaults(); // a chat not yet begun takes the new defaults
+}
+
+// ---- dialogs, drawer, banner --------------------------------------------------------------------
+
+function confirmDialog(text) {
+  const dialog = $("#confirm");
+  $("#confirm-text").textContent = text;
+  dialog.returnValue = "";
+  dialog.showModal();
+  $("#confirm-cancel").focus();
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true });
+  });
+}
+
+auth.askForKey = (why) => {
+  const dialog = $("#key-dialog");
+  $("#key-reason").textContent =
+    why === "rejected"
+      ? "That API key was not accepted. Check it and enter it again."
+      : "This server needs an API key. Ask whoever runs it for one.";
+  $("#key-input").value = "";
+  dialog.returnValue = "";
+  dialog.showModal();
+  return new Promise((resolve) => {
+    dialog.addEventListener(
+      "close",
+      () => {
+        const key = $("#key-input").value.trim();
+        const ok = dialog.returnValue === "ok" && Boolean(key);
+        if (ok) {
+          setKey(key);
+          socket.ws?.close(); // the next socket carries the new key
+          banner(null);
+        }
+        resolve(ok);
+      },
+      { once: true },
+    );
+  });
+};
+
+const phone = window.matchMedia("(max-width: 720px)");
+
+function openDrawer() {
+  document.body.classList.add("drawer-open");
+  $("#sidebar").inert = false;
+  $("#backdrop").hidden = false;
+  $("#open-drawer").setAttribute("aria-expanded", "true");
+  ($("#chats li.active .open") || $("#new-chat")).focus();
+}
+
+function closeDrawer() {
+  if (!document.body.classList.contains("drawer-open")) return;
+  document.body.classList.remove("drawer-open");
+  $("#sidebar").inert = phone.matches;
+  $("#backdrop").hidden = true;
+  $("#open-drawer").setAttribute("aria-expanded", "false");
+}
+
+function banner(text, action = null) {
+  const box = $("#banner");
+  box.replaceChildren();
+  box.hidden = !text;
+  if (!text) return;
+  box.append(text);
+  if (action) {
+    const control = button("primary", action.label, null);
+    control.addEventListener("click", action.run);
+    box.append(" ", control);
+  }
+}
+
+// ---- start ---------------------------------------------------------------------------------------
+
+async function loadConfig() {
+  try {
+    state.config = await getJson("/api/config");
+  } catch (error) {
+    const retry = { label: "Try again", run: () => start() };
+    if (error.key === "UNAUTHORIZED") banner(explain("UNAUTHORIZED").text, { label: "Enter API key", run: () => start() });
+    else banner(explain(error.key, error.detail).text, retry);
+    return false;
+  }
+  banner(null);
+  auth.required = Boolean(state.config.authRequired);
+  site.searchProvider = state.config.searchProvider || "";
+  fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
+  return true;
+}
+
+async function start() {
+  if (!(await loadConfig())) return;
+  applyDefaults();
+  await refreshChats();
+  route();
+}
+
+function wire() {
   $("#ask").addEventListener("submit", (event) => {
     event.preventDefault();
     const question = $("#question").value.trim();
-    if (!question || state.turn) return;
+    if (!question || state.turn || $("#send").disabled) return;
     $("#question").value = "";
+    resizeQuestion();
     ask(question);
   });
   $("#question").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
       event.preventDefault();
       $("#ask").requestSubmit();
     }
   });
+  $("#question").addEventListener("input", resizeQuestion);
   $("#stop").addEventListener("click", stop);
-  $("#new-chat").addEventListener("click", () => {
-    if (state.turn) return;
-    state.chatId = null;
-    clearConversation();
-    refreshChats();
+  $("#new-chat").addEventListener("click", newChat);
+  $("#new-chat-top").addEventListener("click", newChat);
+  $("#focus").addEventListener("change", updateControls);
+  $("#attach").addEventListener("click", () => $("#file-input").click());
+  $("#file-input").addEventListener("change", (event) => {
+    for (const file of event.target.files) attach(file);
+    event.target.value = "";
   });
-  $("#focus").addEventListener("change", () => {
-    $("#copilot").disabled = $("#focus").value !== "webSearch";
+  $("#open-settings").addEventListener("click", () => {
+    closeDrawer();
+    openSettings();
   });
-  await refreshChats();
-  await resumeInFlight();
-});
+  $("#settings").addEventListener("change", readSettings);
+  $("#set-key-change").addEventListener("click", async () => {
+    if (await auth.askForKey("needed")) $("#set-key-state").textContent = "set";
+  });
+  $("#set-key-forget").addEventListener("click", () => {
+    setKey("");
+    $("#set-key-state").textContent = "not set";
+  });
+  $("#confirm-cancel").addEventListener("click", () => $("#confirm").close("cancel"));
+  $("#key-cancel").addEventListener("click", () => $("#key-dialog").close("cancel"));
+  $("#open-drawer").addEventListener("click", openDrawer);
+  $("#backdrop").addEventListener("click", closeDrawer);
+  $("#sidebar").inert = phone.matches;
+  phone.addEventListener("change", () => {
+    closeDrawer();
+    $("#sidebar").inert = phone.matches;
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key !== "Escape" || document.querySelector("dialog[open]")) return;
+    if (document.body.classList.contains("drawer-open")) closeDrawer();
+    else if (state.turn) stop();
+  });
+  window.addEventListener("hashchange", route);
+}
+
+function resizeQuestion() {
+  const box = $("#question");
+  box.style.height = "auto";
+  box.style.height = `${Math.min(box.scrollHeight + 2, phone.matches ? 120 : 200)}px`;
+}
+
+applyTheme();
+wire();
+start();
