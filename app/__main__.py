@@ -7,6 +7,7 @@ are gathered through a directory of their own.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -27,6 +28,11 @@ def main() -> None:
         sys.exit(
             "server.workers (WEB_CONCURRENCY) above 1 needs redis.url (REDIS_URL): "
             "workers share running answers, stop and resume through Redis"
+        )
+    if settings.server.workers > 1 and settings.store.url.startswith("sqlite"):
+        logging.getLogger("app").warning(
+            "several workers share one SQLite file: their writes queue on its lock "
+            "(and fail after 5 s under load); use PostgreSQL (store.url) for more than one"
         )
     tune_gc()
     options = uvicorn_options(settings)

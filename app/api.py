@@ -27,7 +27,7 @@ from .protocol import (
     parse_id,
     parse_messages,
 )
-from .search.web import choose_provider
+from .search.web import choose_provider, search_problem
 from .store import Chat, FileRecord, StoredMessage
 from .store.base import iso
 from .transport.http import (
@@ -119,6 +119,8 @@ def message_json(message: StoredMessage, question: StoredMessage | None) -> dict
     if message.role == "assistant":
         out["reasoning"] = message.reasoning
         out["questionMessageId"] = message.reply_to
+        out["steps"] = message.steps  # its progress lines, as they came
+        out["error"] = message.error  # {"key", "data"} when it failed, else null
     elif message.rewritten is not None:
         out["rewritten"] = message.rewritten
     return out
@@ -180,6 +182,7 @@ async def config(request: Request) -> Response:
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
             "searchProvider": choose_provider(settings).name,
+            "searchProblem": search_problem(settings),
             "readerProvider": settings.reader.provider,
             "chatModel": settings.llm.model,
             "smallModel": settings.llm.effective_small_model,

@@ -131,6 +131,8 @@ class UploadSettings:
 @dataclass(frozen=True)
 class StoreSettings:
     url: str = "sqlite:///data/chat.db"
+    pool_size: int = 10  # Postgres connections per worker, at most
+    statement_cache_size: int = 100  # 0 behind PgBouncer in transaction mode
 
 
 @dataclass(frozen=True)

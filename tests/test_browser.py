@@ -553,6 +553,17 @@ def test_an_error_in_plain_words_with_retry(page, fake_model):
     assert "tok4" in page.locator(".turn .answer").inner_text()
 
 
+def test_a_reopened_failed_answer_still_says_why(page, fake_model):
+    ask(page, "explain it #fail=500", focus="deepSeek")
+    wait_state(page, "failed")
+    said = page.locator(".turn .status").inner_text()
+    assert said.startswith("The AI model returned an error")
+    page.reload()  # reopened from the store: the saved error, in the same words
+    wait_state(page, "failed")
+    assert page.locator(".turn .status").inner_text() == said
+    assert page.locator(".turn .retry").is_visible()
+
+
 def test_deep_research_steps_stay_after_the_answer(page, fake_model, fake_search):
     fake_model.replies[:0] = [
         ("plan web research", "methane engines\nraptor vs be-4"),
@@ -567,10 +578,18 @@ def test_deep_research_steps_stay_after_the_answer(page, fake_model, fake_search
     texts = steps.locator("li").all_inner_texts()
     assert "planning the research" in texts
     assert any(t.startswith("iteration 1") for t in texts)
+    page.reload()  # the chat reopens from the store (#chat=…), its steps with it
+    reopened = page.locator(".turn .steps")
+    reopened.wait_for()
+    reopened.locator("summary").click()
+    assert reopened.locator("li").all_inner_texts() == texts
 
 
 def test_web_search_not_configured_says_so_and_how_to_fix_it(open_page, fake_model, fake_search):
     page = open_page(changes={"search": {"provider": "tavily"}, "tavily": {"api_key": ""}})
+    before = page.locator("#search-off")  # said before the first question, too
+    before.wait_for()
+    assert "TAVILY_API_KEY" in before.inner_text()
     ask(page, RELEVANT_QUESTION)
     wait_state(page, "completed")
     notice = page.locator(".turn .notice")

@@ -187,6 +187,7 @@ async def test_config_and_health(client):
     ]
     assert config["chatModel"] == "fake-chat"
     assert "test-key" not in str(config)
+    assert config["searchProblem"] is None  # the fake search provider is configured
     assert (await client.get("/healthz")).status_code == 200
     ready = await client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"

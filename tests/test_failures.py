@@ -47,6 +47,7 @@ async def test_model_failures_end_the_stream_with_an_error_and_save_what_arrived
     assert [e.type for e in events].count("error") == 1
     answer = await saved_answer(client, "500")
     assert answer["status"] == "failed"
+    assert answer["error"] == {"key": key, "data": last.data["data"]}  # for a reopened chat
     if directive in ("#break=2", "#malformed=2"):
         assert answer["content"] == "tok0 tok1 "
     await still_serving(client)

@@ -203,6 +203,8 @@ async def test_a_killed_host_leaves_no_answer_streaming_and_saves_what_resumers_
             rows = await wait_for(closed, timeout=3 + 8)
             closed_after = time.monotonic() - killed_at
             assert [r["status"] for r in rows] == ["failed", "failed"]
+            assert {r["error"]["key"] for r in rows} == {"STREAM_ERROR"}  # and why, in words
+            assert "stopped" in rows[1]["error"]["data"]
             assert rows[0]["content"] == seen and seen.startswith("tok0 ")
             assert rows[1]["content"].startswith("tok0 ")  # nobody resumed it: closed too
             assert closed_after < 3 + 5, closed_after  # handle_ttl + a few seconds
@@ -239,6 +241,10 @@ async def test_one_process_without_redis_closes_what_a_crash_left_when_it_starts
 
             row = await wait_for(closed, timeout=5)
             assert row["status"] == "failed"
+            assert row["error"] == {
+                "key": "STREAM_ERROR",
+                "data": "generation lost: its server process stopped",
+            }
         finally:
             restarted.stop()
             crashed.stop()

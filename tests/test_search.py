@@ -98,6 +98,11 @@ async def test_balanced_mode_ranks_by_embeddings_and_reads_the_best_page(
     assert embedding_calls[0]["input"][0] == RELEVANT_QUESTION
     assert fake_search.pages_read == [("jina", 3)]
     assert any(e.type == "progress" and "reading 1 page" in e.data["data"] for e in events)
+    chat_id = events[0].data["chatId"]
+    saved = (await client.get(f"/api/chats/{chat_id}", params={"userId": "1"})).json()
+    answer = saved["messages"][-1]
+    assert answer["steps"] == [e.data["data"] for e in events if e.type == "progress"]
+    assert answer["error"] is None
 
 
 async def test_quality_mode_reads_the_pages_the_model_picks(client, fake_model, fake_search):

@@ -114,9 +114,20 @@ async def test_finishing_saves_text_status_rewrite_and_sources(store):
         "cancelled",
         "q1",
     )
+    assert (ans.steps, ans.error) == ([], None)
     # a sweeper never overwrites what its owner saved
     assert not await store.finish_answer("a1", Saved("", "", "failed"), only_streaming=True)
     assert (await store.get_message("a1")).status == "cancelled"
+
+
+async def test_an_answer_keeps_its_steps_and_its_error(store):
+    await ask(store, "c1", "q1", "a1", 10.0)
+    steps = ["searching the web: ü?", "reading 2 pages"]
+    error = {"key": "STREAM_ERROR", "data": "the model stream broke"}
+    await store.finish_answer("a1", Saved("part", "", "failed", steps=steps, error=error))
+    answer = await store.get_message("a1")
+    assert (answer.status, answer.steps, answer.error) == ("failed", steps, error)
+    assert (await store.list_messages("c1"))[1].steps == steps
 
 
 async def test_streaming_answers_are_found_for_the_sweeper(store):
@@ -255,3 +266,14 @@ async def test_an_unreachable_store_is_unavailable_not_a_driver_error(tmp_path):
 def test_unknown_store_scheme_is_refused():
     with pytest.raises(ValueError, match="unsupported store URL"):
         open_store("mysql://x")
+
+
+async def test_postgres_without_a_statement_cache_as_behind_pgbouncer(postgres_url):
+    """`store.statement_cache_size = 0` (PgBouncer in transaction mode): every
+    operation still works, answers included, with no statement cached."""
+    async with open_store(postgres_url, pool_size=2, statement_cache_size=0) as opened:
+        assert await ask(opened, "c1", "q1", "a1", 100.0)
+        await opened.finish_answer("a1", Saved("done", "", "completed"))
+        assert [m.content for m in await opened.list_messages("c1")] == ["text q1", "done"]
+        async with opened.pool.acquire() as connection:
+            assert connection._stmt_cache.get_max_size() == 0  # asyncpg's own cache, off

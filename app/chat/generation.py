@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AppError, StreamError, Unavailable
 from ..llm import Message
-from ..protocol import ChatRequest
+from ..protocol import ChatRequest, Event
 from ..search.base import SearchResult
 from ..search.web import context_of, source_entries
 from ..store import FileRecord, Saved, Usage
@@ -219,6 +220,8 @@ class Generation:
             rewritten=self.rewritten,
             sources=self.unsaved_sources,
             usage=usage,
+            steps=steps_of(self.out.log.events),
+            error={"key": error.key, "data": error.message} if error is not None else None,
         )
         if error is not None:
             terminal = self.out.next("error", key=error.key, data=error.message)
@@ -306,3 +309,8 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 def estimate_tokens(chars: int) -> int:
     """Tokens in so many characters of text, roughly (for a model that does not count)."""
     return (chars + 3) // 4
+
+
+def steps_of(logged: Sequence[Event]) -> list[str]:
+    """An answer's progress lines, in order."""
+    return [str(e.data.get("data", "")) for e in logged if e.type == "progress"]

@@ -35,13 +35,15 @@ from ..protocol import ChatRequest, Encoder, Event, parse_event_id
 from ..search.web import WebSearch
 from ..store import Chat, FileRecord, Saved, Store, StoredMessage, Usage
 from ..streams import Handle, LogWriter, StreamHub
-from .generation import TITLE_MAX_CHARS, Generation
+from .generation import TITLE_MAX_CHARS, Generation, steps_of
 from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 
 SWEEP_GRACE = 2.0  # seconds an answer row exists before a sweeper looks at it
 SWEEP_PAGE = 200
+COUNT_EVERY = 32  # events a relay sends between updates of its metric
+LOST = "generation lost: its server process stopped"
 
 Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
 HISTORY_MESSAGES = 20
@@ -181,13 +183,17 @@ class ChatService:
             yield first
         cap = max(1, self.settings.stream.max_queue_events)
         seq = after_seq
+        counted = 0  # events sent, added to the metric every COUNT_EVERY (it costs a lock)
         try:
             async for batch in self.hub.subscribe(handle, after_seq):
                 seq = batch[-1].seq or seq
                 for start in range(0, len(batch), cap):
                     part = batch[start : start + cap] if len(batch) > cap else batch
                     chunk = encoder.encode(part)
-                    sent.inc(len(part))
+                    counted += len(part)
+                    if counted >= COUNT_EVERY:
+                        sent.inc(counted)
+                        counted = 0
                     if chunk is not None:
                         yield chunk
         except AppError as exc:  # the registry failed under us: still end with an event
@@ -197,6 +203,9 @@ class ChatService:
             )
             if chunk is not None:
                 yield chunk
+        finally:
+            if counted:
+                sent.inc(counted)
 
     async def find_resumable(
         self, chat_id: str | None, user_id: str, last_event_id: str | None
@@ -506,16 +515,24 @@ class ChatService:
 
 
 def saved_from(logged: list[Event], fallback: StoredMessage | None = None) -> Saved:
-    """What to save for an answer from its logged events: their text, and the status
-    its end gave (`failed` when it has none: its process died)."""
+    """What to save for an answer from its logged events: their text and progress
+    lines, and the status its end gave (`failed` when it has none: its process died,
+    or it ended with an error, which is saved too)."""
     content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
     reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
     if not logged and fallback is not None:
         content, reasoning = fallback.content, fallback.reasoning
-    status = "failed"
-    if logged and logged[-1].type == "messageEnd":
-        status = logged[-1].data.get("status", "completed")
-    return Saved(content=content, reasoning=reasoning, status=status)
+    status, error = "failed", None
+    last = logged[-1] if logged else None
+    if last is not None and last.type == "messageEnd":
+        status = last.data.get("status", "completed")
+    elif last is not None and last.type == "error":
+        error = {"key": str(last.data.get("key")), "data": str(last.data.get("data"))}
+    else:
+        error = {"key": "STREAM_ERROR", "data": LOST}
+    return Saved(
+        content=content, reasoning=reasoning, status=status, steps=steps_of(logged), error=error
+    )
 
 
 def format_history(history: Sequence[tuple[str, str]]) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage, Usage
 
 
-def open_store(url: str) -> Store:
-    """`sqlite:///relative.db`, `sqlite:////absolute.db` or `postgresql://…`.
+def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100) -> Store:
+    """`sqlite:///relative.db`, `sqlite:////absolute.db` or `postgresql://…`
+    (`pool_size` connections at most; `statement_cache_size` 0 behind PgBouncer in
+    transaction mode, which cannot keep a connection's prepared statements).
 
     Drivers are imported lazily. Raises ValueError for another scheme.
     """
@@ -18,7 +20,7 @@ def open_store(url: str) -> Store:
     if scheme in ("postgresql", "postgres"):
         from .postgres import PostgresStore
 
-        return PostgresStore(url)
+        return PostgresStore(url, max_size=pool_size, statement_cache_size=statement_cache_size)
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:/// or postgresql://")
 
 

@@ -45,6 +45,8 @@ class StoredMessage:
     rewritten: str | None = None
     sources: list[dict[str, Any]] = field(default_factory=list)
     reply_to: str | None = None  # an answer's question
+    steps: list[str] = field(default_factory=list)  # an answer's progress lines
+    error: dict[str, str] | None = None  # a failed answer's {"key", "data"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +120,9 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Saved:
-    """What an ended answer saves: its text and status, and what its question learnt
-    while it ran (the rewrite; the sources, when they could not be saved at once)."""
+    """What an ended answer saves: its text and status, its progress lines and error,
+    and what its question learnt while it ran (the rewrite; the sources, when they
+    could not be saved at once)."""
 
     content: str
     reasoning: str
@@ -128,6 +131,8 @@ class Saved:
     rewritten: str | None = None
     sources: list[dict[str, Any]] | None = None
     usage: Usage | None = None
+    steps: list[str] | None = None
+    error: dict[str, str] | None = None
 
 
 #: the column order both backends select in, so one mapping serves both
@@ -157,6 +162,8 @@ def file_params(f: FileRecord) -> tuple[Any, ...]:
 MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
+#: what is read of a message: the inserted columns, then what its end saved
+MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error"
 
 
 def chat_from_row(row: Any) -> Chat:
@@ -166,8 +173,13 @@ def chat_from_row(row: Any) -> Chat:
     )
 
 
-def message_from_row(row: Any, sources: list[dict[str, Any]]) -> StoredMessage:
-    """A row of `MESSAGE_COLUMNS` as a `StoredMessage`, with its sources already decoded."""
+def message_from_row(
+    row: Any,
+    sources: list[dict[str, Any]],
+    steps: list[str] | None = None,
+    error: dict[str, str] | None = None,
+) -> StoredMessage:
+    """A row of `MESSAGE_SELECT` as a `StoredMessage`, with its JSON already decoded."""
     return StoredMessage(
         id=str(row[0]),
         chat_id=str(row[1]),
@@ -179,6 +191,8 @@ def message_from_row(row: Any, sources: list[dict[str, Any]]) -> StoredMessage:
         status=row[7],
         reply_to=str(row[8]) if row[8] is not None else None,
         created_at=row[9],
+        steps=steps or [],
+        error=error,
     )
 
 

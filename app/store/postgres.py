@@ -19,6 +19,7 @@ from .base import (
     CHAT_COLUMNS,
     FILE_COLUMNS,
     MESSAGE_COLUMNS,
+    MESSAGE_SELECT,
     Chat,
     FileRecord,
     Saved,
@@ -125,6 +126,10 @@ MIGRATIONS = (
         ADD COLUMN reasoning_tokens INTEGER,
         ADD COLUMN usage_estimated BOOLEAN;
     """,
+    # 5: an answer's progress lines and, when it failed, its error
+    """
+    ALTER TABLE messages ADD COLUMN steps JSONB, ADD COLUMN error JSONB;
+    """,
 )
 
 #: what says the database cannot be reached or used right now: connection trouble, and
@@ -143,10 +148,13 @@ mapped = mapping_errors(UNAVAILABLE)
 
 
 class PostgresStore(Store):
-    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 10) -> None:
+    def __init__(
+        self, url: str, *, min_size: int = 1, max_size: int = 10, statement_cache_size: int = 100
+    ) -> None:
         self.url = url
         self.min_size = min_size
         self.max_size = max_size
+        self.statement_cache_size = statement_cache_size
         self._pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:
@@ -156,6 +164,7 @@ class PostgresStore(Store):
             max_size=self.max_size,
             init=_init_connection,
             command_timeout=COMMAND_SECONDS,
+            statement_cache_size=self.statement_cache_size,
         )
         try:
             await migrate(self._pool)
@@ -270,11 +279,14 @@ class PostgresStore(Store):
     ) -> bool:
         async with self.pool.acquire() as conn, conn.transaction():
             result = await conn.execute(
-                "UPDATE messages SET content = $1, reasoning = $2, status = $3 WHERE id = $4"
+                "UPDATE messages SET content = $1, reasoning = $2, status = $3, steps = $4,"
+                " error = $5 WHERE id = $6"
                 + (" AND status = 'streaming'" if only_streaming else ""),
                 saved.content,
                 saved.reasoning,
                 saved.status,
+                saved.steps,
+                saved.error,
                 answer_id,
             )
             changed = _one_row(result)
@@ -307,14 +319,14 @@ class PostgresStore(Store):
     @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.pool.fetchrow(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = $1", message_id
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = $1", message_id
         )
         return _message(row) if row else None
 
     @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         rows = await self.pool.fetch(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = $1 ORDER BY created_at, id",
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE chat_id = $1 ORDER BY created_at, id",
             chat_id,
         )
         return [_message(row) for row in rows]
@@ -328,7 +340,7 @@ class PostgresStore(Store):
     ) -> list[StoredMessage]:
         at, last = after or (-1.0, "")
         rows = await self.pool.fetch(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE status = 'streaming'"
             " AND created_at < $1 AND (created_at, id) > ($2, $3)"
             " ORDER BY created_at, id LIMIT $4",
             created_before,
@@ -518,7 +530,7 @@ def _params(message: StoredMessage) -> tuple[Any, ...]:
 
 
 def _message(row: Any) -> StoredMessage:
-    return message_from_row(row, row[6])
+    return message_from_row(row, row[6], row[10], row[11])
 
 
 def _one_row(status: str) -> bool:

@@ -25,6 +25,7 @@ from .base import (
     CHAT_COLUMNS,
     FILE_COLUMNS,
     MESSAGE_COLUMNS,
+    MESSAGE_SELECT,
     Chat,
     FileRecord,
     Saved,
@@ -145,6 +146,11 @@ MIGRATIONS = (
     ALTER TABLE messages ADD COLUMN completion_tokens INTEGER;
     ALTER TABLE messages ADD COLUMN reasoning_tokens INTEGER;
     ALTER TABLE messages ADD COLUMN usage_estimated INTEGER;
+    """,
+    # 5: an answer's progress lines and, when it failed, its error (JSON)
+    """
+    ALTER TABLE messages ADD COLUMN steps TEXT;
+    ALTER TABLE messages ADD COLUMN error TEXT;
     """,
 )
 
@@ -324,9 +330,16 @@ class SQLiteStore(Store):
     ) -> bool:
         async with self._transaction() as db:
             cursor = await db.execute(
-                "UPDATE messages SET content = ?, reasoning = ?, status = ? WHERE id = ?"
-                + (" AND status = 'streaming'" if only_streaming else ""),
-                (saved.content, saved.reasoning, saved.status, answer_id),
+                "UPDATE messages SET content = ?, reasoning = ?, status = ?, steps = ?, error = ?"
+                " WHERE id = ?" + (" AND status = 'streaming'" if only_streaming else ""),
+                (
+                    saved.content,
+                    saved.reasoning,
+                    saved.status,
+                    _json(saved.steps),
+                    _json(saved.error),
+                    answer_id,
+                ),
             )
             changed = cursor.rowcount == 1
             if changed and saved.usage is not None:
@@ -358,14 +371,14 @@ class SQLiteStore(Store):
     @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         rows = await self._rows(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = ?", (message_id,)
         )
         return _message(rows[0]) if rows else None
 
     @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         rows = await self._rows(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
             (chat_id,),
         )
         return [_message(row) for row in rows]
@@ -379,7 +392,7 @@ class SQLiteStore(Store):
     ) -> list[StoredMessage]:
         at, last = after or (-1.0, "")
         rows = await self._rows(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE status = 'streaming'"
+            f"SELECT {MESSAGE_SELECT} FROM messages WHERE status = 'streaming'"
             " AND created_at < ? AND (created_at > ? OR (created_at = ? AND id > ?))"
             " ORDER BY created_at, id LIMIT ?",
             (created_before, at, at, last, limit),
@@ -555,4 +568,9 @@ def _params(message: StoredMessage) -> tuple[Any, ...]:
 
 
 def _message(row: Any) -> StoredMessage:
-    return message_from_row(row, orjson.loads(row[6]))
+    steps, error = (orjson.loads(value) if value else None for value in (row[10], row[11]))
+    return message_from_row(row, orjson.loads(row[6]), steps, error)
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()

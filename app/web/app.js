@@ -17,7 +17,7 @@ import {
   withUser,
   withUserBody,
 } from "./net.js";
-import { button, fileChip, site, TurnView } from "./turn.js";
+import { button, fileChip, searchFix, site, TurnView } from "./turn.js";
 
 const $ = (selector) => document.querySelector(selector);
 const store = window.localStorage;
@@ -563,7 +563,9 @@ async function openChat(chatId) {
         view.part("reasoning").hidden = false;
         view.part("reasoning-text").textContent = view.reasoning;
       }
-      view.end(message.status === "streaming" ? "failed" : message.status);
+      for (const text of message.steps || []) view.step(text);
+      if (message.error) view.fail(message.error.key, message.error.data);
+      else view.end(message.status === "streaming" ? "failed" : message.status);
     }
   }
   showConversation();
@@ -823,6 +825,11 @@ async function loadConfig() {
   banner(null);
   auth.required = Boolean(state.config.authRequired);
   site.searchProvider = state.config.searchProvider || "";
+  const problem = state.config.searchProblem;
+  $("#search-off").hidden = !problem;
+  $("#search-off").textContent = problem
+    ? `Web search is not set up on this server, so answers will have no web sources (${problem}). ${searchFix(problem)}`
+    : "";
   fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
   return true;
 }
