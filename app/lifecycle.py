@@ -23,9 +23,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from sse_starlette.sse import AppStatus
-
 from .chat.service import ChatService
+from .transport.streaming import StreamResponse
 from .transport.ws import Session
 
 log = logging.getLogger("app.lifecycle")
@@ -37,9 +36,16 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class GracefulShutdown:
-    def __init__(self, service: ChatService, sessions: set[Session], grace: float) -> None:
+    def __init__(
+        self,
+        service: ChatService,
+        sessions: set[Session],
+        streams: set[StreamResponse],
+        grace: float,
+    ) -> None:
         self.service = service
         self.sessions = sessions
+        self.streams = streams
         self.grace = grace
         self.draining = False
         self.signals = 0
@@ -53,8 +59,6 @@ class GracefulShutdown:
         if threading.current_thread() is not threading.main_thread():
             return
         self._loop = asyncio.get_running_loop()
-        # streams end when their generations do; sse-starlette must not cut them first
-        AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
         for sig in SIGNALS:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
@@ -94,9 +98,9 @@ class GracefulShutdown:
         except Exception:
             log.exception("draining failed; stopping anyway")
         finally:
-            AppStatus.should_exit = (
-                True  # whatever streams remain (resumes of other processes' generations) end
-            )
+            # whatever streams remain (following other processes' generations) end
+            for stream in list(self.streams):
+                stream.end()
             self._hand_over(signum, frame)
 
     def _hand_over(self, signum: int, frame: FrameType | None) -> None:

@@ -56,7 +56,11 @@ async def open_service(
     of `server.shutdown_grace_seconds`). Parts not given are built from `settings`;
     `redis` (from `open_redis`) is the caller's to close."""
     async with contextlib.AsyncExitStack() as stack:
-        the_store = store or open_store(settings.store.url)
+        the_store = store or open_store(
+            settings.store.url,
+            pool_size=settings.store.pool_size,
+            statement_cache_size=settings.store.statement_cache_size,
+        )
         await stack.enter_async_context(the_store)
         hub = open_hub(
             redis,
@@ -127,10 +131,14 @@ def create_app(
             app.state.service = service
             app.state.metrics = metrics
             app.state.sessions = set()
+            app.state.streams = set()
             app.state.auth = auth
             app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
             shutdown = GracefulShutdown(
-                service, app.state.sessions, settings.server.shutdown_grace_seconds
+                service,
+                app.state.sessions,
+                app.state.streams,
+                settings.server.shutdown_grace_seconds,
             )
             app.state.shutdown = shutdown
             shutdown.install()

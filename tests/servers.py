@@ -66,7 +66,7 @@ class ServerThread(Loopback):
         try:
             self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
         finally:
-            # what the app's libraries left running (sse-starlette's shutdown watcher)
+            # whatever the app's libraries left running
             pending = asyncio.all_tasks(self.loop)
             for task in pending:
                 task.cancel()

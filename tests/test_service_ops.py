@@ -239,3 +239,46 @@ async def test_two_workers_share_postgres_and_redis(
         assert server.proc.wait(15) in STOPPED
     finally:
         server.stop()
+
+
+async def test_sigterm_ends_streams_that_follow_another_process(env, fake_model, redis_url):
+    """A stream this process serves for another process's generation has no end of
+    its own here: shutdown ends it cleanly, and the generation goes on elsewhere."""
+    shared = {**env, "REDIS_URL": redis_url}
+    runner = AppProcess(shared).start()
+    follower = AppProcess(shared).start()
+    try:
+        async with httpx.AsyncClient(timeout=20, event_hooks=USER) as http:
+            async with http.stream(
+                "POST",
+                runner.url + "/api/chat/sse",
+                json=chat_body("long #tokens=400 #delay=0.02", chatId="603"),
+            ) as started:
+                running = iter_sse(started)
+                async for item in running:
+                    if isinstance(item, SseEvent):
+                        break
+                async with http.stream(
+                    "GET",
+                    follower.url + "/api/chat/sse/resume",
+                    params={"chatId": "603", "userId": "1"},
+                ) as resumed:
+                    assert resumed.status_code == 200
+                    stream = iter_sse(resumed)
+                    followed = []
+                    async for item in stream:
+                        if isinstance(item, SseEvent):
+                            followed.append(item)
+                        if len(followed) == 3:
+                            break
+                    signalled = time.monotonic()
+                    follower.proc.send_signal(signal.SIGTERM)
+                    followed += [item async for item in stream if isinstance(item, SseEvent)]
+                assert follower.proc.wait(10) in STOPPED
+                assert time.monotonic() - signalled < 1 + 3  # grace plus a little
+                assert followed[-1].type == "message"  # cut, not ended: the answer goes on
+                rest = [item async for item in running if isinstance(item, SseEvent)]
+        assert rest[-1].type == "messageEnd" and rest[-1].data["status"] == "completed"
+    finally:
+        follower.stop()
+        runner.stop()

@@ -46,14 +46,14 @@ class GenerationLog:
     that live readers turn into a keep-alive event.
     """
 
-    __slots__ = ("handle", "events", "keepalives", "finished", "_changed", "_sink")
+    __slots__ = ("handle", "events", "keepalives", "finished", "_waiters", "_sink")
 
     def __init__(self, handle: Handle, sink: Sink | None = None) -> None:
         self.handle = handle
         self.events: list[Event] = []
         self.keepalives = 0
         self.finished = False
-        self._changed: asyncio.Event | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         self._sink = sink
 
     def append(self, event: Event) -> None:
@@ -65,29 +65,40 @@ class GenerationLog:
                 self._sink(self, event)
         else:
             self.keepalives += 1
-        changed, self._changed = self._changed, None
-        if changed is not None:
-            changed.set()
+        if self._waiters:
+            self._wake()
 
     def end(self, terminal: Event) -> None:
         """Append the terminal event for local readers only (the hub made it durable
         already, so it does not go through the sink)."""
         self.events.append(terminal)
         self.finished = True
-        changed, self._changed = self._changed, None
-        if changed is not None:
-            changed.set()
+        if self._waiters:
+            self._wake()
 
-    async def wait(self) -> None:
-        """Until the next append (cancelling is safe)."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        await self._changed.wait()
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Until the next append (cancelling is safe). A bare future per reader: the
+        cheapest wake-up asyncio has."""
+        waiter = (loop or asyncio.get_running_loop()).create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
 
     async def follow(self, after_seq: int) -> AsyncIterator[list[Event]]:
         """Batches of events after `after_seq`, live, until the terminal one."""
         position = after_seq
         seen_keepalives = self.keepalives
+        loop = asyncio.get_running_loop()  # once: asking for it costs a system call
         while True:
             if position < len(self.events):
                 batch = self.events[position:]
@@ -106,7 +117,7 @@ class GenerationLog:
                     Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
                 ]
                 continue
-            await self.wait()
+            await self.wait(loop)
 
 
 class LogWriter:

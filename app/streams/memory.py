@@ -65,9 +65,11 @@ class MemoryHub(StreamHub):
     async def lead(self, chore: str, ttl: float) -> bool:
         return True  # the only process
 
-    async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         log = self.local.log(handle.answer_id)
-        if log is None:
-            return
-        async for batch in log.follow(after_seq):
-            yield batch
+        return log.follow(after_seq) if log is not None else _nothing()
+
+
+async def _nothing() -> AsyncIterator[list[Event]]:
+    return
+    yield

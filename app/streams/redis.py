@@ -458,14 +458,11 @@ class RedisHub(StreamHub):
                     self._pending[answer_id] = pending
         log.info("re-asserted %d answers after redis lost its data", len(logs))
 
-    async def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         local = self.local.log(handle.answer_id)
-        if local is not None:
-            async for batch in local.follow(after_seq):
-                yield batch
-            return
-        async for batch in self._follow_remote(handle, after_seq):
-            yield batch
+        if local is not None:  # straight from the log: no hop per event
+            return local.follow(after_seq)
+        return self._follow_remote(handle, after_seq)
 
     async def _follow_remote(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         """Follow another process's generation through its Redis log. Through an outage

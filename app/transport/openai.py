@@ -101,6 +101,8 @@ async def _chat_completions(request: Request) -> Response:
             ping_interval=settings.server.keepalive_seconds,
             send_timeout=settings.stream.client_timeout_seconds,
             on_disconnect=lambda: service.stop_here(handle),
+            connections=request.app.state.metrics.connections_active.labels("openai"),
+            group=request.app.state.streams,
         )
     return await _whole(request, service, handle, model)
 

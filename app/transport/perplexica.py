@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ..chat.service import ChatService
 from ..config import Settings
@@ -26,6 +26,7 @@ from ..protocol import (
 )
 from ..streams import Handle
 from .http import count_request, json_errors, read_json, request_user
+from .streaming import StreamResponse
 
 #: what the settings page may change: preferences the browser keeps for itself
 BROWSER_PREFERENCES = frozenset(
@@ -257,10 +258,12 @@ async def search(request: Request) -> Response:
     handle = await service.start(chat_request)
     if body.get("stream"):
         stream: AsyncIterator[bytes] = service.relay(handle, NdjsonEncoder())
-        return StreamingResponse(
+        return StreamResponse(
             stream,
             media_type="application/x-ndjson",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            send_timeout=settings.stream.client_timeout_seconds,
+            connections=request.app.state.metrics.connections_active.labels("perplexica"),
+            group=request.app.state.streams,
         )
     return await _whole_answer(service, handle)
 

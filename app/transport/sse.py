@@ -8,10 +8,9 @@ refusal is an HTTP status with a JSON error body.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import orjson
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,6 +25,7 @@ from ..protocol import (
 )
 from ..streams import Handle
 from .http import client_identity, count_request, json_errors, read_json, request_user
+from .streaming import StreamResponse
 
 PING = b": ping\n\n"
 
@@ -59,22 +59,13 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
     """The generation's events from `after_seq` as an SSE response. A client that
     stops reading is let go; the generation goes on, resumable."""
     state = request.app.state
-    connections = state.metrics.connections_active.labels("sse")
-
-    async def body() -> AsyncIterator[bytes]:
-        connections.inc()
-        try:
-            async for chunk in state.service.relay(handle, SseEncoder(fmt), after_seq):
-                yield chunk
-        finally:
-            connections.dec()
-
-    return EventSourceResponse(
-        body(),
-        headers={"Cache-Control": "no-cache"},
-        ping=state.settings.server.keepalive_seconds,
-        ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
-        sep="\n",
+    return StreamResponse(
+        state.service.relay(handle, SseEncoder(fmt), after_seq),
+        connections=state.metrics.connections_active.labels("sse"),
+        group=state.streams,
+        media_type="text/event-stream; charset=utf-8",
+        ping=PING,
+        ping_interval=state.settings.server.keepalive_seconds,
         send_timeout=state.settings.stream.client_timeout_seconds,
     )
 

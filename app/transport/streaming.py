@@ -7,7 +7,8 @@ when nothing else went out since, and closes a connection whose current write
 has waited longer than `send_timeout`. A second task listens for the client's
 `http.disconnect`, so a client that goes is noticed at once, even while the
 stream is idle (`on_disconnect` is how the OpenAI-compatible API stops its
-generation).
+generation). Responses made with a `group` are in it while they run, so that a
+server shutting down can `end` the ones still open.
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("app.stream")
+
+
+class Gauge(Protocol):
+    def inc(self) -> None: ...
+
+    def dec(self) -> None: ...
 
 
 class StreamResponse(Response):
@@ -37,6 +45,8 @@ class StreamResponse(Response):
         ping_interval: float = 15.0,
         send_timeout: float | None = None,
         on_disconnect: Callable[[], None] | None = None,
+        connections: Gauge | None = None,
+        group: set[StreamResponse] | None = None,
     ) -> None:
         self.chunks = chunks
         self.status_code = 200
@@ -51,13 +61,36 @@ class StreamResponse(Response):
         self.ping_interval = ping_interval
         self.send_timeout = send_timeout
         self.on_disconnect = on_disconnect
+        self.connections = connections
+        self.group = group
+        self._writer: asyncio.Task[None] | None = None
+        self._ended = False
         self._last_write = 0.0
         self._writing_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.connections is not None:
+            self.connections.inc()
+        if self.group is not None:
+            self.group.add(self)
+        try:
+            await self._respond(receive, send)
+        finally:
+            if self.connections is not None:
+                self.connections.dec()
+            if self.group is not None:
+                self.group.discard(self)
+
+    def end(self) -> None:
+        """End the response now, cleanly (the server is shutting down)."""
+        self._ended = True
+        if self._writer is not None:
+            self._writer.cancel()
+
+    async def _respond(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         self._last_write = time.monotonic()
-        writer = asyncio.create_task(self._write(send))
+        writer = self._writer = asyncio.create_task(self._write(send))
         watchers = [
             asyncio.create_task(self._listen(receive)),
             asyncio.create_task(self._tick(send)),
@@ -72,18 +105,18 @@ class StreamResponse(Response):
                     await task
             with contextlib.suppress(AttributeError):
                 await self.chunks.aclose()  # type: ignore[attr-defined]
-        if not writer.cancelled() and writer.exception() is None:
+        if self._ended or (not writer.cancelled() and writer.exception() is None):
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         elif self.on_disconnect is not None:
             self.on_disconnect()
 
     async def _write(self, send: Send) -> None:
+        clock = time.monotonic
         async for chunk in self.chunks:
-            self._writing_since = time.monotonic()
+            self._writing_since = clock()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self._writing_since = None
-            self._last_write = time.monotonic()
+            self._last_write, self._writing_since = self._writing_since, None
 
     async def _listen(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":

@@ -1,0 +1,197 @@
+"""Per-token cost at a real model's pace: one token per write, the server's CPU per
+token read from /proc, beside a reference relay run in the same session.
+
+    python -m bench.paced                       # ~2 minutes
+    python -m bench.paced --streams 20 --tokens 500 --interval-ms 20 --runs 3
+
+The fast fake model (`bench.fastmodel`, core 1 with this load generator) sends each
+stream's tokens one per write, `--interval-ms` apart. Each target runs as its own
+process pinned to core 0: this server (`python -m app`, full path: parse, log,
+registry, save) over SSE, WebSocket and the OpenAI-compatible stream, and the two
+references in `bench.relay`: the minimal relay (SDK raw lines + orjson + a plain
+streaming response: parses, saves nothing) and a byte passthrough (aiohttp, parses
+nothing). Figures are medians of `--runs`; each is also given as a ratio to the
+references, which survives a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from bench.load import request, sse_stream, ws_stream
+from bench.run import RESULTS, app_server, fast_model, process, redis_server
+from tests.servers import free_port
+
+
+async def run_streams(kind: str, url: str, streams: int, tokens: int, rate: float) -> int:
+    """Run `streams` paced streams of `kind` to their end; the tokens delivered.
+
+    Stream i starts i/streams of an interval after the first, so that the streams'
+    tokens arrive spread over each interval, as real streams' do, for every target
+    alike: started together, a target that sets a stream up in microseconds keeps
+    its streams in lockstep and serves all of them in one wake-up per interval,
+    which no real load allows (it made a byte passthrough look ~40 % cheaper here).
+    """
+    content = f"#tokens={tokens} #rate={rate:g}"
+    spacing = 1.0 / rate / streams
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(i * spacing)
+        if kind in ("relay", "passthrough"):
+            payload = orjson.dumps({"content": content})
+            result = await sse_stream(url, {}, parse=False, path="/" + kind, payload=payload)
+            return result.events - (2 if kind == "passthrough" else 0)  # finish, [DONE]
+        if kind == "openai":
+            payload = orjson.dumps(
+                {
+                    "model": "deepSeek",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": content}],
+                }
+            )
+            path = "/v1/chat/completions"
+            result = await sse_stream(url, {}, parse=False, path=path, payload=payload)
+            return result.events - 3  # role, finish, [DONE]
+        reader = sse_stream if kind == "sse" else ws_stream
+        result = await reader(url, request(content, userId=i + 1), parse=False)
+        return result.events - 2  # message "" and messageEnd
+
+    return sum(await asyncio.gather(*(one(i) for i in range(streams))))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds so far of a process and its descendants (the
+    workers of a server started with WEB_CONCURRENCY)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    ticks = os.sysconf("SC_CLK_TCK")
+    user = system = 0.0
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        fields = stats.get(current)
+        if fields is not None:
+            user += int(fields[11]) / ticks
+            system += int(fields[12]) / ticks
+        todo.extend(children.get(current, []))
+    return user, system
+
+
+async def measure(kind: str, url: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
+    rate = 1000.0 / args.interval_ms
+    await run_streams(kind, url, 4, 20, rate)  # warm up: imports, connections, caches
+    users, systems, tokens = [], [], []
+    for _ in range(args.runs):
+        user0, sys0 = cpu_split(pid)
+        delivered = await run_streams(kind, url, args.streams, args.tokens, rate)
+        user1, sys1 = cpu_split(pid)
+        users.append((user1 - user0) / max(delivered, 1) * 1e6)
+        systems.append((sys1 - sys0) / max(delivered, 1) * 1e6)
+        tokens.append(delivered)
+    us = statistics.median(u + s for u, s in zip(users, systems, strict=True))
+    return {
+        "us_per_token": round(us, 1),
+        "user_us": round(statistics.median(users), 1),
+        "system_us": round(statistics.median(systems), 1),
+        "tokens_per_cpu_s": round(1e6 / us),
+        "tokens": min(tokens),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--interval-ms", type=float, default=20.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--only",
+        default="passthrough,relay,sse,ws,openai,sse-redis,sse-2-workers",
+        help="sse-redis: one worker with the Redis hub; "
+        "sse-2-workers: WEB_CONCURRENCY=2 with Redis, on both cores",
+    )
+    args = parser.parse_args()
+    wanted = args.only.split(",")
+    results: dict[str, dict[str, float]] = {}
+    with fast_model() as model, tempfile.TemporaryDirectory() as tmp:
+        references = [kind for kind in ("passthrough", "relay") if kind in wanted]
+        if references:
+            port = free_port()
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.relay",
+                "--port",
+                str(port),
+                "--model-url",
+                model + "/v1",
+            ]
+            with process(cmd, port, core="0") as relay:
+                for kind in references:
+                    results[kind] = asyncio.run(
+                        measure(kind, f"http://127.0.0.1:{port}", relay.pid, args)
+                    )
+                    print(kind, results[kind], flush=True)
+        for kind in ("sse", "ws", "openai"):
+            if kind in wanted:
+                with app_server(model, tmp) as (url, pid):
+                    time.sleep(0.5)
+                    results[kind] = asyncio.run(measure(kind, url, pid, args))
+                    print(kind, results[kind], flush=True)
+        if "sse-redis" in wanted or "sse-2-workers" in wanted:
+            with redis_server() as redis_url:
+                if "sse-redis" in wanted:
+                    with app_server(model, tmp, REDIS_URL=redis_url) as (url, pid):
+                        time.sleep(0.5)
+                        results["sse-redis"] = asyncio.run(measure("sse", url, pid, args))
+                        print("sse-redis", results["sse-redis"], flush=True)
+                if "sse-2-workers" in wanted:
+                    two = {"WEB_CONCURRENCY": "2", "REDIS_URL": redis_url}
+                    with app_server(model, tmp, core="0,1", **two) as (url, pid):
+                        time.sleep(2.0)  # both workers up
+                        results["sse-2-workers"] = asyncio.run(measure("sse", url, pid, args))
+                        print("sse-2-workers", results["sse-2-workers"], flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "paced.json").write_bytes(
+        orjson.dumps({"args": vars(args), "results": results}, option=orjson.OPT_INDENT_2)
+    )
+    floor = results.get("relay", {}).get("us_per_token")
+    print(
+        f"\n{args.streams} streams × {args.tokens} tokens, one per write, {args.interval_ms:g} ms apart"
+    )
+    bare = results.get("passthrough", {}).get("us_per_token")
+    print(
+        "| target | µs of server CPU per token (user + system) | tokens per CPU-second "
+        "| × relay | × passthrough |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for kind, r in results.items():
+        ratio = f"{r['us_per_token'] / floor:.2f}" if floor else "—"
+        to_bare = f"{r['us_per_token'] / bare:.2f}" if bare else "—"
+        print(
+            f"| {kind} | {r['us_per_token']} ({r['user_us']} + {r['system_us']}) "
+            f"| {r['tokens_per_cpu_s']:,} | {ratio} | {to_bare} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
