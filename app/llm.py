@@ -13,12 +13,15 @@ carries a malformed chunk, `ConfigError` when no model is configured.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import openai
 import orjson
 from openai.types.chat import ChatCompletionMessageParam
@@ -192,22 +195,47 @@ class Embedder:
     def configured(self) -> bool:
         return self._client is not None
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        """One vector per text, in order. ConfigError / ModelError / StreamError."""
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """One float32 row per text, in order. ConfigError / ModelError / StreamError.
+
+        Asks for base64 vectors (OpenAI's compact form, which the SDK asks for too) and
+        decodes the body with orjson and numpy: a batch of 1,024-dimension vectors parsed
+        into the SDK's models and Python floats would hold the event loop several times
+        longer. Servers that answer plain float lists anyway are read just as well."""
         if self._client is None:
             raise ConfigError("no embeddings model is configured (embeddings.model)")
         with model_errors("embeddings model"):
-            response = await self._client.embeddings.create(
-                model=self.settings.model, input=list(texts)
+            response = await self._client.embeddings.with_raw_response.create(
+                model=self.settings.model, input=list(texts), encoding_format="base64"
             )
-        vectors = sorted(response.data, key=lambda item: item.index)
-        if len(vectors) != len(texts):
-            raise StreamError("the embeddings model returned a different number of vectors")
-        return [list(item.embedding) for item in vectors]
+        return decode_embeddings(response.content, len(texts))
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
+
+
+def decode_embeddings(body: bytes, count: int) -> np.ndarray:
+    """The `count` vectors of an `/embeddings` answer as a float32 matrix, rows in
+    input order; each vector base64 (little-endian float32) or a list of numbers."""
+    try:
+        items = sorted(orjson.loads(body)["data"], key=lambda item: item["index"])
+        rows = [
+            np.frombuffer(base64.b64decode(v, validate=True), dtype="<f4")
+            if isinstance(v := item["embedding"], str)
+            else np.asarray(v, dtype=np.float32)
+            for item in items
+        ]
+        if len(rows) != count:
+            raise StreamError("the embeddings model returned a different number of vectors")
+        matrix = (
+            np.vstack(rows).astype(np.float32, copy=False) if rows else np.zeros((0, 0), np.float32)
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise StreamError("the embeddings model returned vectors that could not be read") from exc
+    if rows and not matrix.shape[1]:
+        raise StreamError("the embeddings model returned empty vectors")
+    return matrix
 
 
 def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import re
 import time
+from array import array
 
 import orjson
 
@@ -94,14 +96,17 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 def embeddings(body: bytes) -> bytes:
     """A vector per input: a few of its words' hashes set, the rest zero (cheap to make,
     and texts that share words come out alike)."""
-    inputs = orjson.loads(body)["input"]
+    request = orjson.loads(body)
+    inputs = request["input"]
     inputs = inputs if isinstance(inputs, list) else [inputs]
+    packed = request.get("encoding_format") == "base64"  # as OpenAI answers it
     data = []
     for i, text in enumerate(inputs):
         vector = [0.0] * EMBEDDING_DIMS
         for word in str(text).lower().split()[:64]:
             vector[hash(word) % EMBEDDING_DIMS] += 1.0
-        data.append({"object": "embedding", "index": i, "embedding": vector})
+        embedding = base64.b64encode(array("f", vector).tobytes()).decode() if packed else vector
+        data.append({"object": "embedding", "index": i, "embedding": embedding})
     return orjson.dumps({"object": "list", "data": data, "model": "fast-embed"})
 
 

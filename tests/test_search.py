@@ -8,13 +8,17 @@ import re
 import time
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from httpx_ws import aconnect_ws
 
+from app.errors import StreamError
+from app.llm import decode_embeddings
 from app.main import create_app
 from tests.client import chat_body, sse_chat
 from tests.conftest import USER
+from tests.fakes.model import as_base64
 from tests.fakes.search import RELEVANT_QUESTION, RESULT_COUNT
 from tests.servers import serve
 
@@ -96,6 +100,7 @@ async def test_balanced_mode_ranks_by_embeddings_and_reads_the_best_page(
     embedding_calls = [r for r in fake_model.requests if "input" in r]
     assert len(embedding_calls) == 1 and embedding_calls[0]["model"] == "fake-embed"
     assert embedding_calls[0]["input"][0] == RELEVANT_QUESTION
+    assert embedding_calls[0]["encoding_format"] == "base64"  # the compact form
     assert fake_search.pages_read == [("jina", 3)]
     assert any(e.type == "progress" and "reading 1 page" in e.data["data"] for e in events)
     chat_id = events[0].data["chatId"]
@@ -103,6 +108,37 @@ async def test_balanced_mode_ranks_by_embeddings_and_reads_the_best_page(
     answer = saved["messages"][-1]
     assert answer["steps"] == [e.data["data"] for e in events if e.type == "progress"]
     assert answer["error"] is None
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["base64", "floats"])
+def test_embeddings_are_read_in_either_form_in_input_order(packed):
+    vectors = [[1.0, 0.5, -2.0], [0.0, 0.25, 3.0]]
+    items = [
+        {"index": i, "embedding": as_base64(v) if packed else v} for i, v in enumerate(vectors)
+    ]
+    body = orjson.dumps({"object": "list", "data": items[::-1]})  # any order on the wire
+    matrix = decode_embeddings(body, 2)
+    assert matrix.dtype == np.float32 and matrix.tolist() == vectors
+
+
+@pytest.mark.parametrize(
+    ("body", "count", "why"),
+    [
+        (b"not json", 1, "could not be read"),
+        (b'{"data": [{"index": 0, "embedding": "%%%"}]}', 1, "could not be read"),
+        (
+            b'{"data": [{"index": 0, "embedding": [1]}, {"index": 1, "embedding": [1, 2]}]}',
+            2,
+            "could not be read",
+        ),
+        (b'{"data": [{"index": 0, "embedding": []}, {"index": 1, "embedding": []}]}', 2, "empty"),
+        (b'{"data": [{"index": 0, "embedding": [1, 2]}]}', 2, "different number"),
+    ],
+    ids=["not-json", "bad-base64", "ragged", "empty", "too-few"],
+)
+def test_unreadable_embeddings_are_a_stream_error(body, count, why):
+    with pytest.raises(StreamError, match=why):
+        decode_embeddings(body, count)
 
 
 async def test_quality_mode_reads_the_pages_the_model_picks(client, fake_model, fake_search):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Sequence
 
 import orjson
 
 from ..errors import AppError
+from ..files.index import unit_rows
 from ..llm import Embedder, LLMClient
 from ..prompts import Prompts
 from .base import SearchResult
@@ -17,20 +16,15 @@ _OUTPUT = re.compile(r"<output>(.*?)</output>", re.S | re.I)
 _NUMBER = re.compile(r"\d+")
 
 
-def cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=False))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm else 0.0
-
-
 async def rank_by_embeddings(
     embedder: Embedder, question: str, results: list[SearchResult]
 ) -> list[SearchResult]:
     """Results ordered by cosine similarity of question and title+snippet, best first
     (stable for ties). Raises what `Embedder.embed` raises."""
     vectors = await embedder.embed([question, *(f"{r.title}\n{r.snippet}" for r in results)])
-    query, rest = vectors[0], vectors[1:]
-    scored = sorted(enumerate(results), key=lambda pair: -cosine(query, rest[pair[0]]))
+    rows = unit_rows(vectors)
+    scores = (rows[1:] @ rows[0]).tolist()
+    scored = sorted(enumerate(results), key=lambda pair: -scores[pair[0]])
     return [result for _, result in scored]
 
 

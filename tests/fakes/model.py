@@ -32,7 +32,9 @@ Everything asked is kept in `requests`; every stream's end in `streams`
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -205,9 +207,15 @@ class FakeModel:
         body = orjson.loads(await request.body())
         self.requests.append(body)
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        # as OpenAI does: base64 little-endian float32 when asked, else lists of floats
+        packed = body.get("encoding_format") == "base64"
         data = [
-            {"object": "embedding", "index": i, "embedding": embed(text, self.embedding_dims)}
-            for i, text in enumerate(inputs)
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": as_base64(vector) if packed else vector,
+            }
+            for i, vector in enumerate(embed(text, self.embedding_dims) for text in inputs)
         ]
         return JSONResponse(
             {"object": "list", "data": data, "model": body.get("model", "fake-embed")}
@@ -229,6 +237,10 @@ def embed(text: str, dims: int) -> list[float]:
     for word in re.findall(r"\w+", text.lower()):
         vector[sum(map(ord, word)) % dims] += 1.0
     return vector
+
+
+def as_base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
