@@ -80,7 +80,7 @@ def main(out: Path = ROOT / "docs" / "benchmarks.png") -> None:
     axes[2].legend()
     axes[3].set_xscale("log")
     axes[3].axvline(50, color=GOAL, linestyle="--")
-    axes[3].set_title("Added latency, one worker (model sent → client read)")
+    axes[3].set_title("Added latency, one worker\n(model sent → client read)")
     axes[3].set_xlabel("ms")
     axes[3].set_ylabel("fraction of tokens")
     axes[3].legend()
