@@ -1,4 +1,4 @@
-"""Errors a client can see, each with a key from PROTOCOL.md.
+"""Errors a client can see, each with a key from docs/protocol.md.
 
     AppError                      (key INTERNAL, HTTP 500)
     ├── BadRequest                BAD_REQUEST, 400 (413 for an over-large body)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds Perplexica's web UI (../shared/clients/perplexica-ui, PROTOCOL.md §9) against
+# Builds Perplexica's web UI (clients/perplexica-ui, docs/protocol.md §9) against
 # this server on 127.0.0.1:18080, once, and caches the build: a later call with the same
 # UI source, lockfile, Node major version and baked-in addresses only prints the path.
 #
@@ -7,8 +7,7 @@
 #   cd "$(bash scripts/perplexica_ui.sh | tail -n1)" &&
 #     node node_modules/next/dist/bin/next start -p 3000 -H 127.0.0.1
 #
-# Environment: PERPLEXICA_UI_SRC (the UI's source, default ../shared/clients/perplexica-ui
-# from the repository root), XDG_CACHE_HOME (cache under $XDG_CACHE_HOME/searchchat/perplexica-ui).
+# Environment: PERPLEXICA_UI_SRC (the UI's source, default clients/perplexica-ui), XDG_CACHE_HOME (cache under $XDG_CACHE_HOME/searchchat/perplexica-ui).
 # Node and npm come from apt when `node` is missing; yarn 1 through npx. Everything but the
 # path goes to stderr.
 set -euo pipefail
@@ -20,7 +19,7 @@ api_url="http://127.0.0.1:18080/api"
 ws_url="ws://127.0.0.1:18080"
 yarn="yarn@1.22.22"
 
-src=${PERPLEXICA_UI_SRC:-$root/../shared/clients/perplexica-ui}
+src=${PERPLEXICA_UI_SRC:-$root/clients/perplexica-ui}
 if [ ! -f "$src/package.json" ] || [ ! -f "$src/yarn.lock" ]; then
   echo "perplexica_ui.sh: no Perplexica UI source at $src (set PERPLEXICA_UI_SRC)" >&2
   exit 2
@@ -72,7 +71,7 @@ fi
 echo "perplexica_ui.sh: building the Perplexica UI from $src into $ready (a few minutes, once)" >&2
 scratch=$(mktemp -d "$cache/.build-$key-XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
-# the shared copy is read-only: copy without node_modules/.next, then make it writable
+# the source may be read-only: copy without node_modules/.next, then make it writable
 (cd "$src" && tar -cf - --exclude=./node_modules --exclude=./.next .) | (cd "$scratch" && tar -xf -)
 chmod -R u+w "$scratch"
 (
