@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -38,11 +39,22 @@ DOCX_EXPANDED_BYTES = 200 * 1024 * 1024  # a DOCX that unpacks to more is refuse
 DOCX_RATIO = 200  # … or that unpacks to more than this many times its size
 
 
+TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    n: int
+    page: int  # 1-based
+    text: str
+
+
 @dataclass(frozen=True, slots=True)
 class Extracted:
-    """A file's text, one entry per page (one page for formats without pages)."""
+    """A file's text as chunks, and its number of pages (1 for formats without pages)."""
 
-    pages: list[str]
+    pages: int
+    chunks: list[Chunk]
 
 
 class Unreadable(BadRequest):
@@ -64,10 +76,12 @@ def kind_of(name: str) -> str:
     return kind
 
 
-async def extract(name: str, data: bytes, *, max_pages: int, timeout: float) -> Extracted:
-    """The text of a file, in a child process. Raises `BadRequest`: 415 a type it does
-    not read, 413 too many pages or too large unpacked, 422 broken, encrypted,
-    without text, or not read within `timeout` seconds."""
+async def extract(
+    name: str, data: bytes, *, max_pages: int, timeout: float, chunk_tokens: int, overlap: int
+) -> Extracted:
+    """The text of a file as chunks (see `chunk_pages`), read in a child process.
+    Raises `BadRequest`: 415 a type it does not read, 413 too many pages or too large
+    unpacked, 422 broken, encrypted, without text, or not read within `timeout` s."""
     kind = kind_of(name)
     child = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -76,6 +90,8 @@ async def extract(name: str, data: bytes, *, max_pages: int, timeout: float) -> 
         kind,
         str(max_pages),
         str(max(1, int(timeout))),
+        str(chunk_tokens),
+        str(overlap),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
@@ -97,12 +113,29 @@ async def extract(name: str, data: bytes, *, max_pages: int, timeout: float) -> 
         raise (Unreadable if answer["status"] == 422 else BadRequest)(
             f"{name!r}: {answer['error']}", status=answer["status"]
         )
-    # a few hundred pages of regular expressions: in a thread, so that streams keep
-    # their pace (the GIL passes back to the event loop every few milliseconds)
-    pages = await asyncio.to_thread(lambda: [clean(page) for page in answer["pages"]])
-    if not any(pages):
+    chunks = [Chunk(n, page, text) for n, (page, text) in enumerate(answer["chunks"])]
+    if not chunks:
         raise Unreadable(f"{name!r} has no text (a scan, or an empty file)")
-    return Extracted(pages)
+    return Extracted(answer["pages"], chunks)
+
+
+def chunk_pages(pages: Sequence[str], size: int, overlap: int) -> list[Chunk]:
+    """Each page's text as windows of `size` tokens overlapping by `overlap`; a chunk
+    never crosses a page, so every passage can be cited with its page. Tokens are
+    words and punctuation marks: close to what a model's tokenizer counts for prose,
+    with no tokenizer to download."""
+    step = size - max(0, min(overlap, size - 1))
+    chunks: list[Chunk] = []
+    for number, page in enumerate(pages, start=1):
+        spans = [(m.start(), m.end()) for m in TOKEN.finditer(page)]
+        start = 0
+        while start < len(spans):
+            window = spans[start : start + size]
+            chunks.append(Chunk(len(chunks), number, page[window[0][0] : window[-1][1]]))
+            if start + size >= len(spans):
+                break
+            start += step
+    return chunks
 
 
 def clean(text: str) -> str:
@@ -191,12 +224,18 @@ def main() -> None:
     import resource
 
     kind, max_pages, cpu_seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    chunk_tokens, overlap = int(sys.argv[4]), int(sys.argv[5])
     os.nice(10)  # background work: on a busy core the server's streams go first
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
     data = sys.stdin.buffer.read()
     try:
-        answer: dict[str, object] = {"pages": read(kind, data, max_pages)}
+        pages = [clean(page) for page in read(kind, data, max_pages)]
+        chunks = chunk_pages(pages, chunk_tokens, overlap)
+        answer: dict[str, object] = {
+            "pages": len(pages),
+            "chunks": [(c.page, c.text) for c in chunks],
+        }
     except Refused as exc:
         answer = {"error": str(exc), "status": exc.status}
     except MemoryError:

@@ -1,9 +1,4 @@
-"""Chunking and ranking of a file's text.
-
-Chunks are windows of `chunk_tokens` tokens that overlap by `overlap` tokens,
-cut from each page's text (so a passage is the file's own words, and is cited
-with its page). Tokens here are words and punctuation marks — close
-to what a model's tokenizer counts for prose, and with no tokenizer to download.
+"""Ranking a file's chunks (made in `extract.py`, with the text).
 
 Ranking is brute force over the chunks of one request's files, which is fast
 enough (10,000 chunks in a few milliseconds, measured in `bench/files.py`):
@@ -17,37 +12,11 @@ import math
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-TOKEN = re.compile(r"\w+|[^\w\s]")
 WORD = re.compile(r"\w+")
 BM25_K1, BM25_B = 1.2, 0.75
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    n: int
-    page: int  # 1-based
-    text: str
-
-
-def chunk_pages(pages: Sequence[str], size: int, overlap: int) -> list[Chunk]:
-    """Each page's text as windows of `size` tokens overlapping by `overlap`; a chunk
-    never crosses a page, so every passage can be cited with its page."""
-    step = size - max(0, min(overlap, size - 1))
-    chunks: list[Chunk] = []
-    for number, page in enumerate(pages, start=1):
-        spans = [(m.start(), m.end()) for m in TOKEN.finditer(page)]
-        start = 0
-        while start < len(spans):
-            window = spans[start : start + size]
-            chunks.append(Chunk(len(chunks), number, page[window[0][0] : window[-1][1]]))
-            if start + size >= len(spans):
-                break
-            start += step
-    return chunks
 
 
 def words(text: str) -> list[str]:

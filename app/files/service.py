@@ -1,7 +1,7 @@
 """Your own documents: upload, index, list, delete, and the passages that answer a question.
 
-An upload is read in a child process (`extract.py`), chunked by tokens with the
-page each chunk starts on, embedded in batches through the configured
+An upload is read and chunked by tokens, with the page each chunk is on, in a
+child process (`extract.py`: CPU work stays off the event loop), embedded in batches through the configured
 embeddings model (when there is one), and stored — file, chunks and vectors in
 one transaction, so a file is either ready or failed, never half there. A
 question over some files ranks their chunks by cosine similarity to the
@@ -12,7 +12,6 @@ matrix (or index) is kept in memory, least recently used out, so asking about a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from ..llm import Embedder
 from ..search.base import SearchResult
 from ..store import FileRecord, Store, StoredChunk
 from .extract import Extracted, extract, kind_of
-from .index import Bm25Index, bm25_scores, chunk_pages, top, unit_rows
+from .index import Bm25Index, bm25_scores, top, unit_rows
 
 log = logging.getLogger("app.files")
 
@@ -79,7 +78,7 @@ class FileService:
         record = self._record(user_id, name, data)
         extracted = await self._extract(record, data)
         await self.store.add_file(record)
-        return await self._index(record, extracted.pages)
+        return await self._index(record, extracted)
 
     async def upload_later(
         self,
@@ -98,7 +97,7 @@ class FileService:
     async def _index_later(self, record: FileRecord, data: bytes) -> None:
         try:
             extracted = await self._extract(record, data)
-            await self._index(record, extracted.pages)
+            await self._index(record, extracted)
         except AppError as exc:
             failed = replace(record, status="failed", error=exc.message)
             await self.store.finish_file(failed, [])
@@ -125,13 +124,13 @@ class FileService:
             data,
             max_pages=self.settings.max_pages,
             timeout=self.settings.extract_timeout_seconds,
+            chunk_tokens=self.settings.chunk_tokens,
+            overlap=self.settings.chunk_overlap_tokens,
         )
 
-    async def _index(self, record: FileRecord, pages: list[str]) -> FileRecord:
+    async def _index(self, record: FileRecord, extracted: Extracted) -> FileRecord:
         started = time.monotonic()
-        chunks = await asyncio.to_thread(  # ~50 ms for 300 pages: not on the event loop
-            chunk_pages, pages, self.settings.chunk_tokens, self.settings.chunk_overlap_tokens
-        )
+        chunks = extracted.chunks
         vectors: list[bytes | None] = [None] * len(chunks)
         try:
             if self.embedder.configured:
@@ -141,7 +140,7 @@ class FileService:
             await self.store.finish_file(failed, [])
             raise
         stored = [StoredChunk(c.n, c.page, c.text, v) for c, v in zip(chunks, vectors, strict=True)]
-        ready = replace(record, status="ready", pages=len(pages), chunks=len(chunks))
+        ready = replace(record, status="ready", pages=extracted.pages, chunks=len(chunks))
         await self.store.finish_file(ready, stored)
         log.info(
             "file indexed",
