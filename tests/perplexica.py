@@ -19,10 +19,8 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -32,17 +30,15 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import pytest
-import uvicorn
 
 from app.config import Settings
 from app.main import create_app
-from app.serving import BoundedHeaders
 from tests.fakes.model import FakeModel
 from tests.fakes.search import FakeSearch
 from tests.servers import ROOT, ServerThread, free_port, serve
+from tests.servers import chromium as launch_chromium
 
 BUILD_SCRIPT = ROOT / "scripts" / "perplexica_ui.sh"
-CHROMIUM = "/usr/bin/chromium"
 #: the build inlines these addresses into the UI's JavaScript (scripts/perplexica_ui.sh)
 API_PORT = 18080
 API_URL = f"http://127.0.0.1:{API_PORT}"
@@ -229,33 +225,15 @@ def searxng(
 # -- this server on the port the build talks to --------------------------------------
 
 
-class FixedPortServer(ServerThread):
-    """`tests.servers.ServerThread`, on a given port instead of a free one."""
-
-    def __init__(self, app: Any, port: int, host: str = "127.0.0.1", **config: Any) -> None:
-        self.app = app
-        self.host = host
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as error:
-            self.sock.close()
-            pytest.fail(
-                f"cannot listen on {host}:{port} ({error}): the Perplexica UI build talks to "
-                "this port only; is another test run or server using it?"
-            )
-        self.port = port
-        options = {
-            "log_level": "warning",
-            "ws": "websockets-sansio",
-            "http": BoundedHeaders,
-            "lifespan": "on",
-        }
-        options.update(config)
-        self.server = uvicorn.Server(uvicorn.Config(app, **options))
-        self.loop = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
+def fixed_port_server(app: Any, port: int) -> ServerThread:
+    """`tests.servers.ServerThread` on the port the UI build talks to, started."""
+    try:
+        return ServerThread(app, port=port).start()
+    except OSError as error:
+        pytest.fail(
+            f"cannot listen on 127.0.0.1:{port} ({error}): the Perplexica UI build talks to "
+            "this port only; is another test run or server using it?"
+        )
 
 
 class Backend:
@@ -264,13 +242,13 @@ class Backend:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.server = FixedPortServer(create_app(settings), API_PORT).start()
+        self.server = fixed_port_server(create_app(settings), API_PORT)
 
     url = API_URL
 
     def restart(self) -> None:
         self.server.stop()
-        self.server = FixedPortServer(create_app(self.settings), API_PORT).start()
+        self.server = fixed_port_server(create_app(self.settings), API_PORT)
 
     def stop(self) -> None:
         self.server.stop()
@@ -321,26 +299,9 @@ def backend(perplexica_settings: Settings) -> Iterator[Backend]:
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
-    """Debian's Chromium through Playwright (as tests/test_browser.py), one per module."""
-    if not os.path.exists(CHROMIUM):
-        pytest.fail("Chromium is not installed: run `bash scripts/test.sh`, which installs it")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
+    """Debian's Chromium through Playwright, one per module."""
+    with launch_chromium() as browser:
         yield browser
-        browser.close()
 
 
 @dataclass

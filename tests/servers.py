@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvicorn
 
 from app.serving import BoundedHeaders
@@ -37,9 +38,10 @@ class Loopback:
 
 
 class ServerThread(Loopback):
-    """A uvicorn server for `app` on 127.0.0.1:<free port>, in its own thread and loop."""
+    """A uvicorn server for `app` on 127.0.0.1:<free port> (or `port`), in its own thread
+    and loop."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", **config: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
         self.app = app
         self.host = host
         # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose
@@ -47,7 +49,11 @@ class ServerThread(Loopback):
         # parts on a kept-alive connection waits 40 ms for a delayed ACK
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        try:
+            self.sock.bind((host, port))
+        except OSError:
+            self.sock.close()
+            raise
         self.port = self.sock.getsockname()[1]
         options = {
             "log_level": "warning",
@@ -195,3 +201,32 @@ def processes(
     finally:
         for proc in started:
             proc.stop()
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own download is never used
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium through Playwright, headless, closed at the end."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("Chromium is not installed: run `bash scripts/test.sh`, which installs it")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -13,9 +13,8 @@ import pytest
 
 from app.main import create_app
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import AppProcess, serve
+from tests.servers import AppProcess, chromium, serve
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 DESKTOP = {"width": 1280, "height": 860}
@@ -30,25 +29,8 @@ ANSWER = (
 
 @pytest.fixture(scope="module")
 def browser():
-    if not os.path.exists(CHROMIUM):
-        pytest.fail("Chromium is not installed: run `bash scripts/test.sh`, which installs it")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
