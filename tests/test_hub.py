@@ -177,8 +177,84 @@ async def test_redis_batches_many_events_into_few_commands(redis_url):
         for i in range(1, 1001):
             log.append(Event("message", "1", "100", {"data": "x"}, i))
         await asyncio.sleep(0.2)
-        entries = await owner.redis.xlen("sc:log:100")
-        assert 1 <= entries <= 5
+        assert 1 <= await owner.redis.xlen(f"sc:journal:{owner.token}") <= 5
+        assert await owner.redis.xlen("sc:log:100") <= 1  # written every 2 s and at the end
+
+
+async def xadds(client: aioredis.Redis) -> int:
+    return (await client.info("commandstats")).get("cmdstat_xadd", {}).get("calls", 0)
+
+
+async def test_redis_paced_generations_share_one_journal_entry_per_flush(redis_url):
+    """Twenty generations at a model's pace: one XADD per flush for all of them (not
+    one each), their logs written at their ends, and a reader elsewhere gets every
+    event of each, in order."""
+    async with (
+        redis_hub(redis_url, flush_interval=0.05, handle_ttl=15) as owner,
+        redis_hub(redis_url, handle_ttl=15) as other,
+    ):
+        hs = [handle(chat=str(c), answer=str(500 + c)) for c in range(20)]
+        logs = [await owner.register(h, lambda: None) for h in hs]
+        readers = [asyncio.create_task(collect(other, h)) for h in hs[:5]]
+        before = await xadds(owner.redis)
+        for i in range(1, 41):  # 40 events each, 25 ms apart: about a second
+            for h, log in zip(hs, logs, strict=True):
+                log.append(Event("message", h.chat_id, h.answer_id, {"data": str(i)}, i))
+            await asyncio.sleep(0.025)
+        for h in hs:
+            await owner.finish(h, Event("messageEnd", h.chat_id, h.answer_id, {}, 41))
+        written = await xadds(owner.redis) - before
+        # per generation per flush would be 20 × ~20; here ~20 journal entries, one
+        # entry at each end and one log entry each
+        assert written <= 20 * 3 + 30, written
+        for reader in readers:
+            got = await reader
+            assert [e.seq for e in got] == list(range(1, 42))
+            assert got[-1].type == "messageEnd"
+        for h in hs[5:7]:  # and later, from the logs alone
+            assert [e.seq for e in await collect(other, await other.find(h.answer_id))] == list(
+                range(1, 42)
+            )
+
+
+async def test_redis_a_reader_behind_the_trimmed_journal_reads_the_log(redis_url, monkeypatch):
+    """The journal keeps only what the logs do not have yet: a reader that stops
+    pulling while the owner writes on finds its place trimmed away, and goes on from
+    the log with nothing missing or twice."""
+    monkeypatch.setattr("app.streams.redis.CHECKPOINT_SECONDS", 0.02)
+    async with (
+        redis_hub(redis_url, flush_interval=0.01, handle_ttl=15) as owner,
+        redis_hub(redis_url, handle_ttl=15) as other,
+    ):
+        gathered = 0
+        gather = other._gather
+
+        async def counted(h):
+            nonlocal gathered
+            gathered += 1
+            return await gather(h)
+
+        other._gather = counted  # type: ignore[method-assign]
+        h = handle(chat="9", answer="900")
+        log = await owner.register(h, lambda: None)
+        log.append(Event("message", "9", "900", {"data": "0"}, 1))
+        reader = other.subscribe(await other.find("900"), 0)
+        got = list(await anext(reader))
+        journal = f"sc:journal:{owner.token}"
+        first_entry = (await owner.redis.xrange(journal))[0][0]
+        for i in range(2, 102):
+            log.append(Event("message", "9", "900", {"data": str(i)}, i))
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        entries = await owner.redis.xrange(journal)
+        assert entries and entries[0][0] > first_entry  # trimmed past where the reader was
+        assert len(entries) < 20
+        await owner.finish(h, Event("messageEnd", "9", "900", {}, 102))
+        async with asyncio.timeout(5):
+            async for batch in reader:
+                got.extend(batch)
+        assert [e.seq for e in got] == list(range(1, 103))
+        assert gathered == 2  # at the start, and once at the gap
 
 
 async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():

@@ -9,17 +9,27 @@ Keys (all under `sc:`):
                       compare-and-delete); its TTL makes a dead process's claim expire
     gen:{answerId}    the handle, kept while the events are (for resume)
     latest:{chatId}   the chat's newest answer id
-    log:{answerId}    a Redis Stream; each entry holds a batch of events (JSON)
+    journal:{token}   a Redis Stream of this process's new events: one entry per flush,
+                      one field per generation (its events, JSON)
+    log:{answerId}    a Redis Stream; each entry holds a batch of one generation's events
     cancel:{answerId} a short-lived cancel flag, in case pub/sub misses the owner
     active:{capKey}   running answer ids scored by expiry (the concurrency cap)
     lead:{chore}      the process that runs a one-at-a-time chore (the sweeper)
     channel sc:cancel pub/sub: answer ids to cancel
 
 A generation appends to its local log (which local clients follow with no
-Redis round trip); a flusher writes the new events of every generation of the
-process in one pipeline every `flush_interval` (one XADD per generation per
-flush, never a rewrite of what was written). Clients on other processes replay
-the stream and follow it with XREAD BLOCK, reconnecting through an outage.
+Redis round trip). Every `flush_interval` a flusher writes the new events of
+every generation of the process as one entry of the process's journal: one
+XADD however many generations run. Each generation's own log is written from
+that every `CHECKPOINT_SECONDS` (and at its end), and the journal is trimmed
+to what the logs do not hold yet — so Redis is never more than a flush behind,
+and a token costs a small fraction of a command. Clients on other processes
+read the generation's log, then follow the owner's journal with XREAD BLOCK
+(taking their generation's field), reconnecting through an outage; a reader
+that finds a gap (entries trimmed before it got there) reads the log again.
+
+Claims are extended before they are half their TTL old, one PEXPIRE each; a
+claim found missing is set again (compare-and-set).
 
 Redis restarted without its data: each owner re-asserts what it holds — claims,
 handles and whole logs — at its next heartbeat, which runs at once when its
@@ -67,6 +77,10 @@ LOG_CAP = 100_000  # entries (batches) per generation, approximate
 BLOCK_MS = 1000
 FLUSH_AT = 256  # pending events of one generation that trigger a flush before the interval
 REWRITE_BATCH = 500  # events per entry when a whole log is written again
+#: how often a running generation's own log is brought up to date from the journal
+CHECKPOINT_SECONDS = 2.0
+#: a reader that keeps finding events missing gives up after this many reads of the log
+MAX_GAPS = 20
 
 # claim a chat: 1 claimed, 0 another generation has it, -1 the registry is recovering
 # (this process's key is gone — Redis lost its data — or another process said so)
@@ -136,8 +150,17 @@ class RedisHub(StreamHub):
         self._claim = redis.register_script(CLAIM)
         self._keep = redis.register_script(KEEP)
         self._release = redis.register_script(RELEASE)
+        #: a claim is extended at the last beat before it is half its TTL old
+        self.claim_refresh = handle_ttl / 2 - self.beat_interval
+        #: events not yet in Redis
         self._pending: dict[str, list[Event]] = {}
-        self._flushed: set[str] = set()
+        #: events in the journal, not yet in their generation's log; and when the first
+        #: of them went to the journal, with that entry's id (what trims the journal)
+        self._unlogged: dict[str, list[Event]] = {}
+        self._unlogged_since: dict[str, tuple[float, tuple[int, int]]] = {}
+        self._last_entry: tuple[int, int] | None = None
+        self._logged: set[str] = set()  # generations whose log key has its running expiry
+        self._extended: dict[str, float] = {}  # when each claim was set or last extended
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._beat_now = asyncio.Event()
@@ -175,6 +198,10 @@ class RedisHub(StreamHub):
         with unavailable():
             await self.redis.ping()
 
+    def _payload(self, handle: Handle) -> bytes:
+        """A handle of this process as Redis keeps it (compared byte for byte)."""
+        return _dump_handle(handle, self.token)
+
     def _doubtful(self) -> bool:
         return time.monotonic() < self._doubt_until
 
@@ -203,7 +230,7 @@ class RedisHub(StreamHub):
         wait = self._recovering_until - time.monotonic()
         if wait > 0:
             raise recovering(wait)
-        payload = _dump_handle(handle)
+        payload = self._payload(handle)
         cap_key = cap_key or handle.user_id
         with unavailable():
             claimed = await self._claim(
@@ -231,6 +258,7 @@ class RedisHub(StreamHub):
                 raise too_many(max_running)
         log_ = GenerationLog(handle, self._queue)
         self.local.add(log_, on_cancel, cap_key)
+        self._extended[handle.answer_id] = time.monotonic()
         return log_
 
     async def _unclaim(self, handle: Handle, payload: bytes, cap_key: str) -> None:
@@ -243,8 +271,10 @@ class RedisHub(StreamHub):
     async def abandon(self, handle: Handle) -> None:
         entry = self.local.entry(handle.chat_id)
         self.local.release(handle, keep_log=False)
+        self._extended.pop(handle.answer_id, None)
+        self._logged.discard(handle.answer_id)
         try:
-            await self._unclaim(handle, _dump_handle(handle), entry.cap_key if entry else "")
+            await self._unclaim(handle, self._payload(handle), entry.cap_key if entry else "")
         except (RedisError, OSError) as exc:
             log.warning("redis unavailable while abandoning %s: %r", handle.answer_id, exc)
 
@@ -252,6 +282,7 @@ class RedisHub(StreamHub):
         log_ = self.local.log(handle.answer_id)
         entry = self.local.entry(handle.chat_id)
         self.local.release(handle)
+        self._extended.pop(handle.answer_id, None)
         try:
             self._pending.setdefault(handle.answer_id, []).append(terminal)
             await self.flush(only=handle.answer_id)
@@ -262,7 +293,7 @@ class RedisHub(StreamHub):
                 if entry is not None:
                     pipe.zrem(_active(entry.cap_key), handle.answer_id)
                 await self._release(
-                    keys=[_run(handle.chat_id)], args=[_dump_handle(handle)], client=pipe
+                    keys=[_run(handle.chat_id)], args=[self._payload(handle)], client=pipe
                 )
                 await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -341,12 +372,7 @@ class RedisHub(StreamHub):
         if handle is None:
             return []
         with unavailable():
-            entries = _entries([(b"", await self.redis.xrange(_log(answer_id)))])
-        # a flush sent again after a failure may have written some events twice
-        events: dict[int, Event] = {}
-        for _id, fields in entries:
-            for event in _load_events(fields[b"e"], handle):
-                events.setdefault(event.seq, event)
+            events, _ = await self._gather(handle)
         return [events[seq] for seq in sorted(events)]
 
     async def lead(self, chore: str, ttl: float) -> bool:
@@ -398,37 +424,79 @@ class RedisHub(StreamHub):
 
     async def flush(self, only: str | None = None) -> None:
         """Write pending events — of every generation, or of the answer id `only` (a
-        generation that ends should not make all the others write early).
-        Serialised, so each log's entries stay in order."""
+        generation that ends should not make all the others write early) — as one
+        journal entry, and bring the logs that are due up to date. Serialised, so each
+        log's entries stay in order."""
         async with self._flush_lock:
+            now = time.monotonic()
             if only is not None:
                 pending = {only: self._pending.pop(only)} if only in self._pending else {}
+                due = {only} if only in pending or only in self._unlogged else set()
             else:
                 self._wake.clear()
                 self._urgent.clear()
                 pending, self._pending = self._pending, {}
-            if not pending:
+                due = {
+                    answer_id
+                    for answer_id, (since, _) in self._unlogged_since.items()
+                    if now - since >= CHECKPOINT_SECONDS
+                }
+                for answer_id, batch in pending.items():
+                    if batch[-1].terminal:
+                        due.add(answer_id)
+            if not pending and not due:
                 return
             keep = self.max_generation_ms + self.replay_ttl_ms
             async with self.redis.pipeline(transaction=False) as pipe:
-                for answer_id, batch in pending.items():
+                # the logs first: the journal entry after them may trim what they now hold
+                for answer_id in due:
+                    batch = self._unlogged.get(answer_id, []) + pending.get(answer_id, [])
                     key = _log(answer_id)
                     pipe.xadd(key, {"e": _dump_events(batch)}, maxlen=LOG_CAP, approximate=True)
                     if batch[-1].terminal:  # kept for replay from now on
                         pipe.pexpire(key, self.replay_ttl_ms)
-                    elif answer_id not in self._flushed:
+                    elif answer_id not in self._logged:
                         pipe.pexpire(key, keep)
+                journal_at = len(pipe)
+                if pending:
+                    journal = _journal(self.token)
+                    fields = {
+                        answer_id: _dump_events(batch) for answer_id, batch in pending.items()
+                    }
+                    held = [at for a, (_, at) in self._unlogged_since.items() if a not in due]
+                    oldest = min(held) if held else self._last_entry
+                    if only is None and oldest is not None:
+                        # trimmed exactly: a handful of entries at a time
+                        pipe.xadd(journal, fields, minid=_entry_id(oldest), approximate=False)  # type: ignore[arg-type]
+                    else:
+                        pipe.xadd(journal, fields)  # type: ignore[arg-type]
                 try:
-                    await pipe.execute()
+                    results = await pipe.execute()
                 except BaseException:
                     for answer_id, batch in pending.items():  # back, in front of newer ones
                         self._pending.setdefault(answer_id, [])[:0] = batch
                     raise
-            for answer_id, batch in pending.items():
+            for answer_id in due:
+                batch = pending.get(answer_id) or self._unlogged[answer_id]
+                self._unlogged.pop(answer_id, None)
+                self._unlogged_since.pop(answer_id, None)
                 if batch[-1].terminal:
-                    self._flushed.discard(answer_id)
+                    self._logged.discard(answer_id)
                 else:
-                    self._flushed.add(answer_id)
+                    self._logged.add(answer_id)
+            if not pending:
+                return
+            entry = _parse_id(results[journal_at])
+            self._last_entry = entry
+            for answer_id, batch in pending.items():
+                if answer_id in due:
+                    continue
+                unlogged = self._unlogged.get(answer_id)
+                if unlogged is None:
+                    self._unlogged[answer_id] = list(batch)
+                    self._unlogged_since[answer_id] = (now, entry)
+                else:
+                    unlogged.extend(batch)
 
     async def _reassert(self, logs: list[GenerationLog]) -> None:
         """Write again what Redis lost of this process's generations: handles, latest
@@ -442,7 +510,7 @@ class RedisHub(StreamHub):
                     keep = self.replay_ttl_ms
                     if not log_.finished:
                         keep += self.max_generation_ms
-                    pipe.set(_gen(h.answer_id), _dump_handle(h), px=keep)
+                    pipe.set(_gen(h.answer_id), self._payload(h), px=keep)
                     pipe.set(_latest(h.chat_id), h.answer_id, px=keep)
                     pipe.delete(_log(h.answer_id))
                     events = list(log_.events)
@@ -456,6 +524,9 @@ class RedisHub(StreamHub):
                 pending = [e for e in self._pending.pop(answer_id, []) if e.seq > last]
                 if pending:
                     self._pending[answer_id] = pending
+                self._unlogged.pop(answer_id, None)
+                self._unlogged_since.pop(answer_id, None)
+                self._logged.add(answer_id)
         log.info("re-asserted %d answers after redis lost its data", len(logs))
 
     def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
@@ -465,29 +536,46 @@ class RedisHub(StreamHub):
         return self._follow_remote(handle, after_seq)
 
     async def _follow_remote(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
-        """Follow another process's generation through its Redis log. Through an outage
-        it reconnects and goes on from the last event it had; it ends with an `error`
-        event when the generation is lost, or Redis stays away past `settle` + the
-        claim's TTL."""
-        key = _log(handle.answer_id)
+        """Follow another process's generation: what its log and its owner's journal
+        hold, then the journal as it grows. Through an outage it reconnects and goes
+        on from the last event it had; it ends with an `error` event when the
+        generation is lost, or Redis stays away past `settle` + the claim's TTL."""
+        if handle.owner:
+            key, field = _journal(handle.owner), handle.answer_id.encode()
+        else:  # a handle without its process: the log alone, as it is written
+            key, field = _log(handle.answer_id), b"e"
         last_id: bytes | str = "0-0"
         seq = after_seq
+        gaps = 0
+        catch_up = True  # first, and whenever the journal lacks what came before
         failing_since: float | None = None
         delay = 0.1
         while True:
             try:
+                if catch_up:
+                    catch_up = False
+                    found, last_id = await self._gather(handle)
+                    batch = _after(found, seq)
+                    if batch:
+                        seq = batch[-1].seq
+                        yield batch
+                        if batch[-1].terminal:
+                            return
                 entries = _entries(await self.redis.xread({key: last_id}, block=BLOCK_MS))
                 if not entries:
                     (state,) = await self.states([(handle.chat_id, handle.answer_id)])
                     if state != "gone":
                         continue
-                    # one last read: the terminal entry may have landed just now
-                    entries = _entries(await self.redis.xread({key: last_id}))
-                    if not entries:  # the sweeper saves what it had logged
-                        yield [
-                            _error(handle, seq + 1, "generation lost: its server process stopped")
-                        ]
-                        return
+                    # one last look: the end may have landed just now
+                    batch = _after((await self._gather(handle))[0], seq)
+                    if batch:
+                        seq = batch[-1].seq
+                        yield batch
+                        if batch[-1].terminal:
+                            return
+                    # the sweeper saves what was logged
+                    yield [_error(handle, seq + 1, "generation lost: its server process stopped")]
+                    return
                 failing_since, delay = None, 0.1
             except (RedisError, OSError, AppError) as exc:
                 self._connection_lost()
@@ -502,14 +590,46 @@ class RedisHub(StreamHub):
                 delay = min(delay * 2, 2.0)
                 continue
             for entry_id, fields in entries:
+                raw = fields.get(field)
+                batch = [e for e in _load_events(raw, handle) if e.seq > seq] if raw else []
+                if batch and batch[0].seq != seq + 1:
+                    # what came before was trimmed from the journal: the log has it now
+                    gaps += 1
+                    if gaps > MAX_GAPS:
+                        log.error("following %s: events missing after %d", handle.answer_id, seq)
+                        yield [_error(handle, seq + 1, "the stream lost events")]
+                        return
+                    catch_up = True
+                    break
                 last_id = entry_id
-                batch = [e for e in _load_events(fields[b"e"], handle) if e.seq > seq]
                 if not batch:
                     continue
+                gaps = 0
                 seq = batch[-1].seq
                 yield batch
                 if batch[-1].terminal:
                     return
+
+    async def _gather(self, handle: Handle) -> tuple[dict[int, Event], bytes | str]:
+        """Every event of a generation that Redis holds — its log and its owner's
+        journal — by seq (a flush sent again after a failure may have written some
+        twice), and the id of the last entry of what a reader follows next."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(_log(handle.answer_id))
+            if handle.owner:
+                pipe.xrange(_journal(handle.owner))
+            found = await pipe.execute()
+        events: dict[int, Event] = {}
+        for _id, fields in found[0]:
+            for event in _load_events(fields[b"e"], handle):
+                events.setdefault(event.seq, event)
+        field = handle.answer_id.encode()
+        for _id, fields in found[1] if handle.owner else ():
+            if field in fields:
+                for event in _load_events(fields[field], handle):
+                    events.setdefault(event.seq, event)
+        followed = found[-1]
+        return events, followed[-1][0] if followed else "0-0"
 
     # -- background: cancels and heartbeats ------------------------------------------------
 
@@ -551,47 +671,47 @@ class RedisHub(StreamHub):
                 self._connection_lost()
 
     async def beat(self) -> None:
-        """One heartbeat, in one pipeline of about one command per running generation:
-        say this process lives, keep (or set again) its claims and cap entries, pick
-        up cancel flags; re-assert everything when Redis lost its data."""
+        """One heartbeat, in one pipeline: say this process lives (and keep its journal),
+        extend the claims and cap entries that would pass half their TTL before the
+        next beat (one PEXPIRE each), pick up cancel flags; set again a claim found
+        missing, and re-assert everything when Redis lost its data."""
         running = self.local.running()
+        now = time.monotonic()
+        due = [
+            r
+            for r in running
+            if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
+        ]
         expiry = int(time.time() * 1000) + self.handle_ttl_ms
         by_cap: dict[str, dict[str, int]] = {}
-        for r in running:
+        for r in due:
             by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(_proc(self.token), b"1", px=self.handle_ttl_ms, get=True)
-            for r in running:
-                await self._keep(
-                    keys=[_run(r.handle.chat_id)],
-                    args=[_dump_handle(r.handle), self.handle_ttl_ms],
-                    client=pipe,
-                )
+            pipe.pexpire(_journal(self.token), self.max_generation_ms + self.replay_ttl_ms)
+            for r in due:
+                pipe.pexpire(_run(r.handle.chat_id), self.handle_ttl_ms)
             for cap_key, members in by_cap.items():
                 pipe.zadd(_active(cap_key), members)
                 pipe.pexpire(_active(cap_key), self.handle_ttl_ms)
             if running:
                 pipe.mget([_cancel(r.handle.answer_id) for r in running])
             results = await pipe.execute()
-        was_alive, kept = results[0], results[1 : 1 + len(running)]
+        was_alive, extended = results[0], results[2 : 2 + len(due)]
         flags = results[-1] if running else []
+        for r in due:
+            self._extended[r.handle.answer_id] = now
         if was_alive is None:
             self._lost_data()
             self._needs_reassert.update(log_.handle.answer_id for log_ in self.local.kept_logs())
+            missing = running
+        else:
+            missing = [r for r, ok in zip(due, extended, strict=True) if not ok]
         if self._say_recovering:
             await self.redis.set(RECOVERING, self.token, px=int(self.settle * 1000), nx=True)
             self._say_recovering = False
-        self._check_kept(running, kept)
-        again = [r for r, k in zip(running, kept, strict=True) if k == 2]
-        ended = [r for r in again if not self.local.runs(r.handle.answer_id)]
-        if ended:  # it ended while this beat ran: the claim was set again, take it back
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for r in ended:
-                    await self._release(
-                        keys=[_run(r.handle.chat_id)], args=[_dump_handle(r.handle)], client=pipe
-                    )
-                await pipe.execute()
-        self._needs_reassert.update(r.handle.answer_id for r in again if r not in ended)
+        if missing:
+            await self._claim_again(missing)
         if self._needs_reassert:
             logs = [self.local.log(answer_id) for answer_id in self._needs_reassert]
             await self._reassert([log_ for log_ in logs if log_ is not None])
@@ -599,6 +719,29 @@ class RedisHub(StreamHub):
         for r, flagged in zip(running, flags, strict=False):
             if flagged:
                 self.local.cancel(r.handle.answer_id)
+
+    async def _claim_again(self, missing: list[Running]) -> None:
+        """Claims found gone (Redis lost them): set again where still free, and the
+        generations' logs re-asserted."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for r in missing:
+                await self._keep(
+                    keys=[_run(r.handle.chat_id)],
+                    args=[self._payload(r.handle), self.handle_ttl_ms],
+                    client=pipe,
+                )
+            kept = await pipe.execute()
+        self._check_kept(missing, kept)
+        again = [r for r, k in zip(missing, kept, strict=True) if k == 2]
+        ended = [r for r in again if not self.local.runs(r.handle.answer_id)]
+        if ended:  # it ended while this beat ran: the claim was set again, take it back
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for r in ended:
+                    await self._release(
+                        keys=[_run(r.handle.chat_id)], args=[self._payload(r.handle)], client=pipe
+                    )
+                await pipe.execute()
+        self._needs_reassert.update(r.handle.answer_id for r in again if r not in ended)
 
     def _check_kept(self, running: list[Running], kept: list[Any]) -> None:
         for r, k in zip(running, kept, strict=True):
@@ -630,6 +773,19 @@ def _log(answer_id: str) -> str:
     return f"{PREFIX}log:{answer_id}"
 
 
+def _journal(token: str) -> str:
+    return f"{PREFIX}journal:{token}"
+
+
+def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, n = _text(entry_id).partition("-")
+    return int(ms), int(n or 0)
+
+
+def _entry_id(entry: tuple[int, int]) -> str:
+    return f"{entry[0]}-{entry[1]}"
+
+
 def _active(cap_key: str) -> str:
     return f"{PREFIX}active:{cap_key}"
 
@@ -645,8 +801,9 @@ def _lead(chore: str) -> str:
 _HANDLE_FIELDS = ("chat_id", "answer_id", "question_id", "user_id", "question")
 
 
-def _dump_handle(handle: Handle) -> bytes:
-    return orjson.dumps({name: getattr(handle, name) for name in _HANDLE_FIELDS})
+def _dump_handle(handle: Handle, owner: str) -> bytes:
+    fields = {name: getattr(handle, name) for name in _HANDLE_FIELDS}
+    return orjson.dumps({**fields, "owner": owner})
 
 
 def _load_handle(raw: bytes | str) -> Handle:
@@ -666,6 +823,15 @@ def _load_events(raw: bytes, handle: Handle) -> list[Event]:
         Event(kind, handle.chat_id, handle.answer_id, data, seq, ts)
         for seq, kind, data, ts in orjson.loads(raw)
     ]
+
+
+def _after(events: dict[int, Event], seq: int) -> list[Event]:
+    """The events after `seq`, up to the first one missing."""
+    out = []
+    while (event := events.get(seq + 1)) is not None:
+        out.append(event)
+        seq += 1
+    return out
 
 
 def _error(handle: Handle, seq: int, text: str) -> Event:
