@@ -92,38 +92,35 @@ class LLMClient:
         received = done = False
         with model_errors("model"):
             async with self._open_stream(client, messages, model) as response:
-                http = response.http_response
-                # the transport's own byte stream when nothing is content-encoded: two
-                # async-generator layers less per read (the response still closes it)
-                chunks: AsyncIterable[bytes] = (
-                    cast(AsyncIterable[bytes], http.stream)
-                    if http.headers.get("content-encoding", "identity") == "identity"
-                    else http.aiter_bytes()
-                )
+                chunks = body_reader(response.http_response)
                 buffer = b""
-                async for data in chunks:
-                    buffer += data
-                    if b"\n" not in data:
-                        continue
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        if not line or line == b"\r":
+                try:
+                    async for data in chunks:
+                        buffer += data
+                        if b"\n" not in data:
                             continue
-                        if line[0] == 58:  # b":" a comment
-                            if b"keep-alive" in line:
-                                yield KEEPALIVE
-                            continue
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        received = True
-                        if payload == b"[DONE]":
-                            done = True
+                        *lines, buffer = buffer.split(b"\n")
+                        for line in lines:
+                            if not line or line == b"\r":
+                                continue
+                            if line[0] == 58:  # b":" a comment
+                                if b"keep-alive" in line:
+                                    yield KEEPALIVE
+                                continue
+                            if not line.startswith(b"data:"):
+                                continue
+                            payload = line[5:].strip()
+                            received = True
+                            if payload == b"[DONE]":
+                                done = True
+                                break
+                            for delta in _decode_chunk(payload, splitter):
+                                yield delta
+                        if done:
                             break
-                        for delta in _decode_chunk(payload, splitter):
-                            yield delta
-                    if done:
-                        break
+                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
+                    log.warning("the model stream stalled: %r", exc)
+                    raise StreamError("the model stream broke off: nothing came in time") from exc
         if not received:
             raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
@@ -236,6 +233,21 @@ def decode_embeddings(body: bytes, count: int) -> np.ndarray:
     if rows and not matrix.shape[1]:
         raise StreamError("the embeddings model returned empty vectors")
     return matrix
+
+
+def body_reader(http: Any) -> AsyncIterable[bytes]:
+    """The bytes of a streamed response (the SDK's HTTP response), read as close to
+    the socket as it allows: with nothing content-encoded, the aiohttp response's
+    own reader under the SDK's transport (one call per read instead of three
+    async-generator layers; the SDK's response still closes it), else the
+    transport's stream, else the response's decoded bytes."""
+    if http.headers.get("content-encoding", "identity") != "identity":
+        return cast(AsyncIterable[bytes], http.aiter_bytes())
+    stream = http.stream
+    below = getattr(getattr(stream, "_stream", None), "_aiohttp_response", None)
+    if below is not None:
+        return cast(AsyncIterable[bytes], below.content.iter_any())
+    return cast(AsyncIterable[bytes], stream)
 
 
 def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:

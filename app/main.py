@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
 
 from . import api, config, logs
 from .auth import Auth, RateLimiter
@@ -34,6 +35,7 @@ from .store import Store, open_store
 from .streams import open_hub, open_redis
 from .transport import openai, perplexica, sse, ws
 from .transport.http import AuthMiddleware
+from .transport.streaming import SERVER_SEND
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -191,7 +193,17 @@ def create_app(
         ),
         Middleware(AuthMiddleware, auth=auth),
     ]
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return App(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+class App(Starlette):
+    """Starlette that keeps the server's own `send` in the scope (`SERVER_SEND`):
+    a streamed response sends its start through the middleware, and its body
+    chunks, which no middleware here looks at, straight to the server."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def announce(settings: Settings, service: ChatService) -> None:

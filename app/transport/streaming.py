@@ -9,6 +9,11 @@ has waited longer than `send_timeout`. A second task listens for the client's
 stream is idle (`on_disconnect` is how the OpenAI-compatible API stops its
 generation). Responses made with a `group` are in it while they run, so that a
 server shutting down can `end` the ones still open.
+
+The start and the end go through the middleware; the chunks in between go to
+the server's own `send` when the app left it in the scope (`SERVER_SEND`): the
+middleware only look at the start, and four wrappers per chunk are a fair part
+of what a token costs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("app.stream")
+
+#: where the app keeps the server's `send` in the scope
+SERVER_SEND = "app.server_send"
 
 
 class Gauge(Protocol):
@@ -74,7 +82,7 @@ class StreamResponse(Response):
         if self.group is not None:
             self.group.add(self)
         try:
-            await self._respond(receive, send)
+            await self._respond(receive, send, scope.get(SERVER_SEND, send))
         finally:
             if self.connections is not None:
                 self.connections.dec()
@@ -87,13 +95,13 @@ class StreamResponse(Response):
         if self._writer is not None:
             self._writer.cancel()
 
-    async def _respond(self, receive: Receive, send: Send) -> None:
+    async def _respond(self, receive: Receive, send: Send, send_chunk: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         self._last_write = time.monotonic()
-        writer = self._writer = asyncio.create_task(self._write(send))
+        writer = self._writer = asyncio.create_task(self._write(send_chunk))
         watchers = [
             asyncio.create_task(self._listen(receive)),
-            asyncio.create_task(self._tick(send)),
+            asyncio.create_task(self._tick(send_chunk)),
         ]
         try:
             await asyncio.wait([writer, *watchers], return_when=asyncio.FIRST_COMPLETED)

@@ -34,6 +34,7 @@ from ..protocol import (
 from ..streams import Handle
 from .http import client_identity, count_request, request_user
 from .perplexica import picked_model
+from .streaming import SERVER_SEND
 
 log = logging.getLogger("app.ws")
 
@@ -76,13 +77,17 @@ class SocketWriter:
         self.websocket = websocket
         self.timeout = timeout
         self.lock = asyncio.Lock()
+        # frames go to the server's own send (the socket is accepted, and no
+        # middleware looks at frames): four wrappers and a state check less each
+        self._send = websocket.scope.get(SERVER_SEND, websocket.send)
 
     async def send(self, frames: Sequence[str]) -> None:
+        send = self._send
         async with self.lock:
             try:
                 async with asyncio.timeout(self.timeout):
                     for frame in frames:
-                        await self.websocket.send_text(frame)
+                        await send({"type": "websocket.send", "text": frame})
             except TimeoutError:
                 log.info("closing a websocket that stopped reading")
                 with contextlib.suppress(Exception):
