@@ -34,10 +34,11 @@ log = logging.getLogger("app.llm")
 Message = dict[str, str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delta:
     """A piece of the model's answer: `reasoning`, `content` or `keepalive`; or, last,
-    `usage`: the tokens the model counted (`usage` holds its `usage` object)."""
+    `usage`: the tokens the model counted (`usage` holds its `usage` object). Not
+    frozen, like `Event`: one is made per token."""
 
     kind: str
     text: str = ""
@@ -254,11 +255,16 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
     try:
         chunk = orjson.loads(payload)
         choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if choices and usage is None:  # the common case: one piece of the answer
+            delta = choices[0].get("delta") or {}
+            content = delta.get("content")
+            if content and not (delta.get("reasoning_content") or delta.get("reasoning")):
+                return splitter.feed(content)
         if "error" in chunk and not choices:
             error = chunk["error"]
             detail = error.get("message") if isinstance(error, dict) else error
             raise StreamError(f"the model reported an error mid-stream: {detail}")
-        usage = chunk.get("usage")
         counted = [Delta("usage", usage=usage)] if isinstance(usage, dict) else []
         if not choices:
             return counted

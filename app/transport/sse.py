@@ -44,6 +44,8 @@ class SseEncoder(Encoder[bytes]):
         return None if start is None else b"data: %s\n\n" % orjson.dumps(start)
 
     def encode(self, events: Sequence[Event]) -> bytes | None:
+        if len(events) == 1:  # at a model's pace, the usual batch
+            return self._one(events[0]) or None
         return b"".join([self._one(event) for event in events]) or None
 
     def _one(self, event: Event) -> bytes:
