@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 
@@ -310,6 +311,54 @@ async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_
                         break
                     await asyncio.sleep(0.1)
                 assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics
+        finally:
+            stuck.close()
+
+
+def masked_text_frame(text: bytes) -> bytes:
+    """A client's WebSocket text frame (clients mask theirs)."""
+    mask = b"\x01\x02\x03\x04"
+    n = len(text)
+    header = b"\x81" + (bytes([0x80 | n]) if n < 126 else b"\xfe" + n.to_bytes(2, "big"))
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(text))
+
+
+async def test_a_stuck_websocket_client_is_let_go_and_does_not_slow_others(
+    settings, fake_model, caplog
+):
+    caplog.set_level(logging.INFO, logger="app")
+    with serve(create_app(settings.replace(stream={"client_timeout_seconds": 1.0}))) as server:
+        stuck = socket.create_connection(("127.0.0.1", server.port))
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.sendall(
+            b"GET /api/chat/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\n\r\n"
+        )
+        assert b" 101 " in stuck.recv(4096).split(b"\r\n", 1)[0] + b" "
+        body = chat_body("huge #tokens=4000 #size=2000 #reasoning=0", chatId="972")
+        stuck.sendall(masked_text_frame(orjson.dumps(body)))  # ... and never reads again
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
+                await asyncio.sleep(0.5)
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId="973"))
+                assert events[-1].data["status"] == "completed"
+                assert time.monotonic() - started < 1.0
+                deadline = time.monotonic() + 20
+                while True:  # the stuck one's generation still ends, and is saved whole
+                    answer = (await http.get("/api/chats/972")).json()["messages"][-1]
+                    if answer["status"] != "streaming" or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.2)
+                assert answer["status"] == "completed"
+                assert len(answer["content"]) == 4000 * 2000
+
+                # let go within client_timeout_seconds (and a watch interval) of the stuck write
+                async def let_go() -> bool:
+                    return "closing a websocket that stopped reading" in caplog.text
+
+                await wait_for(let_go, timeout=5)
         finally:
             stuck.close()
 

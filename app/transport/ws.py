@@ -70,8 +70,10 @@ def dumps(frame: dict[str, Any]) -> str:
 
 
 class SocketWriter:
-    """Serialises writes of the relays sharing one socket. A write that cannot
-    finish within `timeout` (a client that stopped reading) closes the socket."""
+    """Serialises writes of the relays sharing one socket. A write that waits more
+    than `timeout` (a client that stopped reading) fails with `WebSocketDisconnect`
+    (1008) and the socket is closed: one watch per socket (`watch`) looks for it,
+    not a timer per write."""
 
     def __init__(self, websocket: WebSocket, timeout: float) -> None:
         self.websocket = websocket
@@ -80,22 +82,46 @@ class SocketWriter:
         # frames go to the server's own send (the socket is accepted, and no
         # middleware looks at frames): four wrappers and a state check less each
         self._send = websocket.scope.get(SERVER_SEND, websocket.send)
+        self._writing: asyncio.Task[Any] | None = None
+        self._writing_since: float | None = None
+        self._stuck = False
 
     async def send(self, frames: Sequence[str]) -> None:
         send = self._send
         async with self.lock:
+            if self._stuck:
+                raise WebSocketDisconnect(1008)
+            self._writing = asyncio.current_task()
+            self._writing_since = time.monotonic()
             try:
-                async with asyncio.timeout(self.timeout):
-                    for frame in frames:
-                        await send({"type": "websocket.send", "text": frame})
-            except TimeoutError:
-                log.info("closing a websocket that stopped reading")
-                with contextlib.suppress(Exception):
-                    await self.websocket.close(1008)
-                raise WebSocketDisconnect(1008) from None
+                for frame in frames:
+                    await send({"type": "websocket.send", "text": frame})
+            except asyncio.CancelledError:
+                # cancelled by `watch` alone: the write is stuck, not the task
+                if self._stuck and self._writing is not None and not self._writing.uncancel():
+                    raise WebSocketDisconnect(1008) from None
+                raise
+            finally:
+                self._writing_since = None
 
     async def send_json(self, frame: dict[str, Any]) -> None:
         await self.send([dumps(frame)])
+
+    async def watch(self) -> None:
+        """Until the socket ends: every half `timeout`, let go of a write that has
+        waited longer than `timeout`, and close the socket."""
+        while True:
+            await asyncio.sleep(max(self.timeout / 2, 0.5))
+            since, writing = self._writing_since, self._writing
+            if since is None or writing is None or time.monotonic() - since <= self.timeout:
+                continue
+            log.info("closing a websocket that stopped reading")
+            self._stuck = True
+            writing.cancel()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):  # the close frame may be stuck as well
+                    await self.websocket.close(1008)
+            return
 
 
 class Session:
@@ -126,6 +152,13 @@ class Session:
             pass  # the socket went away; the generation goes on and stays resumable
 
     async def run(self) -> None:
+        watch = asyncio.create_task(self.writer.watch())
+        try:
+            await self._serve()
+        finally:
+            watch.cancel()
+
+    async def _serve(self) -> None:
         await self.writer.send_json({"type": "signal", "data": "open"})
         while True:
             message = await self.websocket.receive()
