@@ -280,6 +280,24 @@ async def _two_hundred_abrupt_disconnects(server):
         assert saved["content"].endswith("tok29 ")
 
 
+async def others_go_on_and_the_stuck_answer_is_saved(http: httpx.AsyncClient, stuck: str) -> None:
+    """Another chat streams at full speed meanwhile; the stuck one's generation still
+    ends, and is saved whole."""
+    await asyncio.sleep(0.5)
+    started = time.monotonic()
+    events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId=str(int(stuck) + 1)))
+    assert events[-1].data["status"] == "completed"
+    assert time.monotonic() - started < 1.0
+    deadline = time.monotonic() + 20
+    while True:
+        answer = (await http.get(f"/api/chats/{stuck}")).json()["messages"][-1]
+        if answer["status"] != "streaming" or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert answer["status"] == "completed"
+    assert len(answer["content"]) == 4000 * 2000
+
+
 async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_model):
     with serve(create_app(settings.replace(stream={"client_timeout_seconds": 1.0}))) as server:
         stuck = socket.create_connection(("127.0.0.1", server.port))
@@ -292,19 +310,7 @@ async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_
         )  # ... and never reads
         try:
             async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                await asyncio.sleep(0.5)
-                started = time.monotonic()
-                events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId="971"))
-                assert events[-1].data["status"] == "completed"
-                assert time.monotonic() - started < 1.0
-                deadline = time.monotonic() + 20
-                while True:  # the stuck one's generation still ends, and is saved whole
-                    answer = (await http.get("/api/chats/970")).json()["messages"][-1]
-                    if answer["status"] != "streaming" or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.2)
-                assert answer["status"] == "completed"
-                assert len(answer["content"]) == 4000 * 2000
+                await others_go_on_and_the_stuck_answer_is_saved(http, "970")
                 for _ in range(50):  # let go within client_timeout_seconds of its last write
                     metrics = (await http.get("/metrics")).text
                     if 'searchchat_connections_active{transport="sse"} 0.0' in metrics:
@@ -340,19 +346,7 @@ async def test_a_stuck_websocket_client_is_let_go_and_does_not_slow_others(
         stuck.sendall(masked_text_frame(orjson.dumps(body)))  # ... and never reads again
         try:
             async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                await asyncio.sleep(0.5)
-                started = time.monotonic()
-                events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId="973"))
-                assert events[-1].data["status"] == "completed"
-                assert time.monotonic() - started < 1.0
-                deadline = time.monotonic() + 20
-                while True:  # the stuck one's generation still ends, and is saved whole
-                    answer = (await http.get("/api/chats/972")).json()["messages"][-1]
-                    if answer["status"] != "streaming" or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.2)
-                assert answer["status"] == "completed"
-                assert len(answer["content"]) == 4000 * 2000
+                await others_go_on_and_the_stuck_answer_is_saved(http, "972")
 
                 # let go within client_timeout_seconds (and a watch interval) of the stuck write
                 async def let_go() -> bool:
