@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Conflict, RateLimited
@@ -33,9 +33,6 @@ class Handle:
     question_id: str
     user_id: str
     question: str
-    #: the process running it, where the hub tells processes apart (Redis); not part
-    #: of what makes two handles the same
-    owner: str = field(default="", compare=False)
 
 
 #: called with each numbered event a log receives (the Redis backend queues it)

@@ -9,6 +9,7 @@ Keys (all under `sc:`):
                       compare-and-delete); its TTL makes a dead process's claim expire
     gen:{answerId}    the handle, kept while the events are (for resume)
     latest:{chatId}   the chat's newest answer id
+    owner:{answerId}  the token of the process that runs it (whose journal to read)
     journal:{token}   a Redis Stream of this process's new events: one entry per flush,
                       one field per generation (its events, JSON)
     log:{answerId}    a Redis Stream; each entry holds a batch of one generation's events
@@ -28,8 +29,8 @@ read the generation's log, then follow the owner's journal with XREAD BLOCK
 (taking their generation's field), reconnecting through an outage; a reader
 that finds a gap (entries trimmed before it got there) reads the log again.
 
-Claims are extended before they are half their TTL old, one PEXPIRE each; a
-claim found missing is set again (compare-and-set).
+Claims are extended once a quarter of their TTL old, one GETEX each (which says
+whose the claim is); a claim found missing is set again (compare-and-set).
 
 Redis restarted without its data: each owner re-asserts what it holds — claims,
 handles and whole logs — at its next heartbeat, which runs at once when its
@@ -81,6 +82,7 @@ REWRITE_BATCH = 500  # events per entry when a whole log is written again
 CHECKPOINT_SECONDS = 2.0
 #: a reader that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
+OWNERS_KEPT = 1024  # answers of other processes whose owner is remembered
 
 # claim a chat: 1 claimed, 0 another generation has it, -1 the registry is recovering
 # (this process's key is gone — Redis lost its data — or another process said so)
@@ -150,8 +152,10 @@ class RedisHub(StreamHub):
         self._claim = redis.register_script(CLAIM)
         self._keep = redis.register_script(KEEP)
         self._release = redis.register_script(RELEASE)
-        #: a claim is extended at the last beat before it is half its TTL old
-        self.claim_refresh = handle_ttl / 2 - self.beat_interval
+        #: a claim is extended at the first beat after it is a quarter of its TTL old
+        #: (at least half its TTL is always left: an owner cut off from Redis for
+        #: less than that keeps its chats)
+        self.claim_refresh = handle_ttl / 4
         #: events not yet in Redis
         self._pending: dict[str, list[Event]] = {}
         #: events in the journal, not yet in their generation's log; and when the first
@@ -161,6 +165,7 @@ class RedisHub(StreamHub):
         self._last_entry: tuple[int, int] | None = None
         self._logged: set[str] = set()  # generations whose log key has its running expiry
         self._extended: dict[str, float] = {}  # when each claim was set or last extended
+        self._owners: dict[str, str] = {}  # answers of other processes: whose they are
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._beat_now = asyncio.Event()
@@ -199,8 +204,8 @@ class RedisHub(StreamHub):
             await self.redis.ping()
 
     def _payload(self, handle: Handle) -> bytes:
-        """A handle of this process as Redis keeps it (compared byte for byte)."""
-        return _dump_handle(handle, self.token)
+        """A handle as Redis keeps it (compared byte for byte)."""
+        return _dump_handle(handle)
 
     def _doubtful(self) -> bool:
         return time.monotonic() < self._doubt_until
@@ -252,6 +257,7 @@ class RedisHub(StreamHub):
                 pipe.zcard(_active(cap_key))
                 pipe.set(_gen(handle.answer_id), payload, px=keep)
                 pipe.set(_latest(handle.chat_id), handle.answer_id, px=keep)
+                pipe.set(_owner(handle.answer_id), self.token, px=keep)
                 running = (await pipe.execute())[3]
             if max_running and running > max_running:
                 await self._unclaim(handle, payload, cap_key)
@@ -289,6 +295,7 @@ class RedisHub(StreamHub):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
                 pipe.pexpire(_latest(handle.chat_id), self.replay_ttl_ms)
+                pipe.pexpire(_owner(handle.answer_id), self.replay_ttl_ms)
                 pipe.delete(_cancel(handle.answer_id))
                 if entry is not None:
                     pipe.zrem(_active(entry.cap_key), handle.answer_id)
@@ -470,6 +477,8 @@ class RedisHub(StreamHub):
                         pipe.xadd(journal, fields, minid=_entry_id(oldest), approximate=False)  # type: ignore[arg-type]
                     else:
                         pipe.xadd(journal, fields)  # type: ignore[arg-type]
+                    if self._last_entry is None:  # the heartbeat keeps it from now on
+                        pipe.pexpire(journal, keep)
                 try:
                     results = await pipe.execute()
                 except BaseException:
@@ -504,6 +513,7 @@ class RedisHub(StreamHub):
         the caller keeps them to try again."""
         async with self._flush_lock:
             written: dict[str, int] = {}
+            running = {log_.handle.answer_id for log_ in logs if not log_.finished}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for log_ in logs:
                     h = log_.handle
@@ -512,6 +522,7 @@ class RedisHub(StreamHub):
                         keep += self.max_generation_ms
                     pipe.set(_gen(h.answer_id), self._payload(h), px=keep)
                     pipe.set(_latest(h.chat_id), h.answer_id, px=keep)
+                    pipe.set(_owner(h.answer_id), self.token, px=keep)
                     pipe.delete(_log(h.answer_id))
                     events = list(log_.events)
                     for start in range(0, len(events), REWRITE_BATCH):
@@ -526,7 +537,8 @@ class RedisHub(StreamHub):
                     self._pending[answer_id] = pending
                 self._unlogged.pop(answer_id, None)
                 self._unlogged_since.pop(answer_id, None)
-                self._logged.add(answer_id)
+                if answer_id in running:
+                    self._logged.add(answer_id)
         log.info("re-asserted %d answers after redis lost its data", len(logs))
 
     def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
@@ -540,14 +552,16 @@ class RedisHub(StreamHub):
         hold, then the journal as it grows. Through an outage it reconnects and goes
         on from the last event it had; it ends with an `error` event when the
         generation is lost, or Redis stays away past `settle` + the claim's TTL."""
-        if handle.owner:
-            key, field = _journal(handle.owner), handle.answer_id.encode()
-        else:  # a handle without its process: the log alone, as it is written
+        owner = await self._owner_of(handle.answer_id)
+        if owner:
+            key, field = _journal(owner), handle.answer_id.encode()
+        else:  # written by a version without journals: the log alone, as it is written
             key, field = _log(handle.answer_id), b"e"
         last_id: bytes | str = "0-0"
         seq = after_seq
         gaps = 0
         catch_up = True  # first, and whenever the journal lacks what came before
+        heard = time.monotonic()  # when this answer last had news
         failing_since: float | None = None
         delay = 0.1
         while True:
@@ -557,25 +571,31 @@ class RedisHub(StreamHub):
                     found, last_id = await self._gather(handle)
                     batch = _after(found, seq)
                     if batch:
-                        seq = batch[-1].seq
+                        seq, heard = batch[-1].seq, time.monotonic()
                         yield batch
                         if batch[-1].terminal:
                             return
                 entries = _entries(await self.redis.xread({key: last_id}, block=BLOCK_MS))
-                if not entries:
+                if not entries or time.monotonic() - heard > BLOCK_MS / 1000:
+                    # nothing for this answer for a while: does it still run, and has
+                    # its log what the journal lacks (re-asserted after Redis lost it)?
+                    heard = time.monotonic()
                     (state,) = await self.states([(handle.chat_id, handle.answer_id)])
-                    if state != "gone":
+                    if state == "gone":  # one last look: the end may have landed just now
+                        batch = _after((await self._gather(handle))[0], seq)
+                        if batch:
+                            seq = batch[-1].seq
+                            yield batch
+                            if batch[-1].terminal:
+                                return
+                        # the sweeper saves what was logged
+                        yield [
+                            _error(handle, seq + 1, "generation lost: its server process stopped")
+                        ]
+                        return
+                    catch_up = True
+                    if not entries:
                         continue
-                    # one last look: the end may have landed just now
-                    batch = _after((await self._gather(handle))[0], seq)
-                    if batch:
-                        seq = batch[-1].seq
-                        yield batch
-                        if batch[-1].terminal:
-                            return
-                    # the sweeper saves what was logged
-                    yield [_error(handle, seq + 1, "generation lost: its server process stopped")]
-                    return
                 failing_since, delay = None, 0.1
             except (RedisError, OSError, AppError) as exc:
                 self._connection_lost()
@@ -605,26 +625,40 @@ class RedisHub(StreamHub):
                 if not batch:
                     continue
                 gaps = 0
-                seq = batch[-1].seq
+                seq, heard = batch[-1].seq, time.monotonic()
                 yield batch
                 if batch[-1].terminal:
                     return
+
+    async def _owner_of(self, answer_id: str) -> str:
+        """The token of the process that runs (or ran) an answer, whose journal holds
+        its newest events; empty when unknown."""
+        owner = self._owners.get(answer_id)
+        if owner is None:
+            raw = await self.redis.get(_owner(answer_id))
+            owner = _text(raw) if raw else ""
+            if owner:  # it never changes
+                self._owners[answer_id] = owner
+                if len(self._owners) > OWNERS_KEPT:
+                    del self._owners[next(iter(self._owners))]
+        return owner
 
     async def _gather(self, handle: Handle) -> tuple[dict[int, Event], bytes | str]:
         """Every event of a generation that Redis holds — its log and its owner's
         journal — by seq (a flush sent again after a failure may have written some
         twice), and the id of the last entry of what a reader follows next."""
-        async with self.redis.pipeline(transaction=False) as pipe:
+        owner = await self._owner_of(handle.answer_id)
+        async with self.redis.pipeline(transaction=True) as pipe:  # one moment of both
             pipe.xrange(_log(handle.answer_id))
-            if handle.owner:
-                pipe.xrange(_journal(handle.owner))
+            if owner:
+                pipe.xrange(_journal(owner))
             found = await pipe.execute()
         events: dict[int, Event] = {}
         for _id, fields in found[0]:
             for event in _load_events(fields[b"e"], handle):
                 events.setdefault(event.seq, event)
         field = handle.answer_id.encode()
-        for _id, fields in found[1] if handle.owner else ():
+        for _id, fields in found[1] if owner else ():
             if field in fields:
                 for event in _load_events(fields[field], handle):
                     events.setdefault(event.seq, event)
@@ -672,9 +706,9 @@ class RedisHub(StreamHub):
 
     async def beat(self) -> None:
         """One heartbeat, in one pipeline: say this process lives (and keep its journal),
-        extend the claims and cap entries that would pass half their TTL before the
-        next beat (one PEXPIRE each), pick up cancel flags; set again a claim found
-        missing, and re-assert everything when Redis lost its data."""
+        extend the claims and cap entries a quarter of their TTL old (one GETEX each,
+        which also says whose the claim is), pick up cancel flags; set again a claim
+        found missing, and re-assert everything when Redis lost its data."""
         running = self.local.running()
         now = time.monotonic()
         due = [
@@ -690,23 +724,31 @@ class RedisHub(StreamHub):
             pipe.set(_proc(self.token), b"1", px=self.handle_ttl_ms, get=True)
             pipe.pexpire(_journal(self.token), self.max_generation_ms + self.replay_ttl_ms)
             for r in due:
-                pipe.pexpire(_run(r.handle.chat_id), self.handle_ttl_ms)
+                pipe.getex(_run(r.handle.chat_id), px=self.handle_ttl_ms)
             for cap_key, members in by_cap.items():
                 pipe.zadd(_active(cap_key), members)
                 pipe.pexpire(_active(cap_key), self.handle_ttl_ms)
             if running:
                 pipe.mget([_cancel(r.handle.answer_id) for r in running])
             results = await pipe.execute()
-        was_alive, extended = results[0], results[2 : 2 + len(due)]
+        was_alive, claims = results[0], results[2 : 2 + len(due)]
         flags = results[-1] if running else []
         for r in due:
-            self._extended[r.handle.answer_id] = now
+            if self.local.runs(r.handle.answer_id):  # not ended while this beat ran
+                self._extended[r.handle.answer_id] = now
         if was_alive is None:
             self._lost_data()
             self._needs_reassert.update(log_.handle.answer_id for log_ in self.local.kept_logs())
             missing = running
         else:
-            missing = [r for r, ok in zip(due, extended, strict=True) if not ok]
+            missing = [r for r, claim in zip(due, claims, strict=True) if claim is None]
+            self._check_kept(
+                due,
+                [
+                    1 if claim in (None, self._payload(r.handle)) else 0
+                    for r, claim in zip(due, claims, strict=True)
+                ],
+            )
         if self._say_recovering:
             await self.redis.set(RECOVERING, self.token, px=int(self.settle * 1000), nx=True)
             self._say_recovering = False
@@ -723,6 +765,7 @@ class RedisHub(StreamHub):
     async def _claim_again(self, missing: list[Running]) -> None:
         """Claims found gone (Redis lost them): set again where still free, and the
         generations' logs re-asserted."""
+        expiry = int(time.time() * 1000) + self.handle_ttl_ms
         async with self.redis.pipeline(transaction=False) as pipe:
             for r in missing:
                 await self._keep(
@@ -730,7 +773,10 @@ class RedisHub(StreamHub):
                     args=[self._payload(r.handle), self.handle_ttl_ms],
                     client=pipe,
                 )
-            kept = await pipe.execute()
+            for r in missing:  # their cap entries may be gone with them
+                pipe.zadd(_active(r.cap_key), {r.handle.answer_id: expiry})
+                pipe.pexpire(_active(r.cap_key), self.handle_ttl_ms)
+            kept = (await pipe.execute())[: len(missing)]
         self._check_kept(missing, kept)
         again = [r for r, k in zip(missing, kept, strict=True) if k == 2]
         ended = [r for r in again if not self.local.runs(r.handle.answer_id)]
@@ -786,6 +832,10 @@ def _entry_id(entry: tuple[int, int]) -> str:
     return f"{entry[0]}-{entry[1]}"
 
 
+def _owner(answer_id: str) -> str:
+    return f"{PREFIX}owner:{answer_id}"
+
+
 def _active(cap_key: str) -> str:
     return f"{PREFIX}active:{cap_key}"
 
@@ -801,13 +851,13 @@ def _lead(chore: str) -> str:
 _HANDLE_FIELDS = ("chat_id", "answer_id", "question_id", "user_id", "question")
 
 
-def _dump_handle(handle: Handle, owner: str) -> bytes:
-    fields = {name: getattr(handle, name) for name in _HANDLE_FIELDS}
-    return orjson.dumps({**fields, "owner": owner})
+def _dump_handle(handle: Handle) -> bytes:
+    return orjson.dumps({name: getattr(handle, name) for name in _HANDLE_FIELDS})
 
 
 def _load_handle(raw: bytes | str) -> Handle:
-    return Handle(**orjson.loads(raw))
+    fields = orjson.loads(raw)  # what a newer version adds is left out
+    return Handle(**{name: fields[name] for name in _HANDLE_FIELDS})
 
 
 def _dump_events(events: list[Event]) -> bytes:
