@@ -16,10 +16,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat.service import ChatService
 from .errors import BadRequest, NotFound
+from .events import FOCUS_MODES
 from .files.extract import kind_of
 from .files.service import clean_name
 from .protocol import (
-    FOCUS_MODES,
     FORMATS,
     OPTIMIZATION_MODES,
     parse_control,
@@ -346,10 +346,7 @@ async def upload(request: Request) -> Response:
     if wait:
         records = [await service.files.upload(user_id, name, data) for name, data in files]
     else:
-        records = [
-            await service.files.upload_later(user_id, name, data, service.spawn)
-            for name, data in files
-        ]
+        records = [await service.files.upload_later(user_id, name, data) for name, data in files]
     return JSONResponse(
         {
             "files": [

@@ -138,6 +138,10 @@ class StoreSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = ""
+    #: the longest one call may take (connecting, or an answer): a Redis that stops
+    #: answering fails like one that refuses
+    timeout_seconds: float = 2.0
+    max_connections: int = 64  # per process; a call waits at most timeout_seconds for one
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,12 @@ class StreamSettings:
     replay_ttl_seconds: float = 300.0
     max_queue_events: int = 1024
     handle_ttl_seconds: float = 15.0
+    #: without Redis (or while it is away): how often a running answer is saved as far
+    #: as it got, so a crash loses at most this much of it
     flush_interval_ms: float = 200.0
+    #: with Redis: how long new events wait to share one journal write (group commit);
+    #: an event reaches readers once that write is acknowledged
+    commit_linger_ms: float = 5.0
     client_timeout_seconds: float = 30.0
 
 

@@ -68,8 +68,8 @@ async def open_service(
             redis,
             replay_ttl=settings.stream.replay_ttl_seconds,
             handle_ttl=settings.stream.handle_ttl_seconds,
-            flush_interval=settings.stream.flush_interval_ms / 1000,
             max_generation_seconds=settings.llm.timeout_seconds,
+            commit_linger=settings.stream.commit_linger_ms / 1000,
         )
         await stack.enter_async_context(hub)
         the_llm = llm or LLMClient(settings.llm)
@@ -80,7 +80,11 @@ async def open_service(
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
-        files = FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids)
+        lease = WorkerLease(the_store, ids)
+        files = FileService(
+            settings.uploads, store=the_store, embedder=embedder, ids=ids, indexer=lease.token
+        )
+        stack.push_async_callback(files.aclose)
         service = ChatService(
             settings,
             store=the_store,
@@ -95,7 +99,7 @@ async def open_service(
             ),
             metrics=metrics,
         )
-        await stack.enter_async_context(WorkerLease(the_store, service.ids))
+        await stack.enter_async_context(lease)
         await service.open()
         try:
             yield service
@@ -121,7 +125,11 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            redis = open_redis(settings.redis.url)
+            redis = open_redis(
+                settings.redis.url,
+                timeout=settings.redis.timeout_seconds,
+                max_connections=settings.redis.max_connections,
+            )
             if redis is not None:
                 stack.push_async_callback(redis.aclose)
             service = await stack.enter_async_context(

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import httpx
 
+from ..chores import cancel_and_wait
 from ..config import Settings
 from ..errors import AppError, SearchError
 from ..llm import Embedder, LLMClient
@@ -263,8 +264,8 @@ async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -
     try:
         done, _ = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
     finally:
-        for task in tasks:
-            task.cancel()
+        # what is late is cancelled and waited for: no request outlives its search
+        await asyncio.shield(cancel_and_wait(tasks))
     return [
         task.result()
         if task in done and not task.cancelled() and task.exception() is None

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage, Usage
+from .base import (
+    Chat,
+    Checkpoint,
+    FileRecord,
+    Saved,
+    Store,
+    StoredChunk,
+    StoredMessage,
+    Usage,
+)
 
 
 def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100) -> Store:
@@ -26,6 +35,7 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
 
 __all__ = [
     "Chat",
+    "Checkpoint",
     "FileRecord",
     "Saved",
     "Store",

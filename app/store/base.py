@@ -12,6 +12,7 @@ Errors are mapped at this boundary: a backend that cannot be reached raises
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
-from ..errors import AppError, Conflict, Forbidden, Unavailable
+from ..errors import AppError, BadRequest, Conflict, Forbidden, Unavailable
 
 log = logging.getLogger("app.store")
 
@@ -135,6 +136,16 @@ class Saved:
     error: dict[str, str] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A running answer as far as it got: its text, reasoning and progress lines."""
+
+    answer_id: str
+    content: str
+    reasoning: str
+    steps: list[str]
+
+
 #: the column order both backends select in, so one mapping serves both
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 FILE_COLUMNS = "id, user_id, name, kind, size, created_at, status, pages, chunks, error"
@@ -217,26 +228,77 @@ T = TypeVar("T")
 Method = Callable[P, Coroutine[Any, Any, T]]
 
 
-def mapping_errors(
-    errors: tuple[type[BaseException], ...],
-) -> Callable[[Method[P, T]], Method[P, T]]:
-    """A decorator for a backend's methods: the driver's `errors` (it cannot reach or
-    use the database now) become `Unavailable`; our own errors (`Conflict`, raised
-    inside where a key is taken) pass."""
+@dataclass(frozen=True, slots=True)
+class DriverErrors:
+    """How a backend's driver errors read (a tuple of classes each, checked in this
+    order): `unavailable`, the database cannot be reached or used now (retry later);
+    `conflict`, a key or constraint the write broke; `data`, a value the database
+    cannot keep. Any other driver error is a bug: 500 `INTERNAL`, logged."""
+
+    unavailable: tuple[type[BaseException], ...]
+    conflict: tuple[type[BaseException], ...] = ()
+    data: tuple[type[BaseException], ...] = ()
+    every: tuple[type[BaseException], ...] = ()  # the driver's root error(s)
+
+
+def mapping_errors(errors: DriverErrors) -> Callable[[Method[P, T]], Method[P, T]]:
+    """A decorator for a backend's methods: the arguments are cleaned of NUL
+    characters (which PostgreSQL's text and jsonb refuse, and model output or a web
+    page may hold), and the driver's errors become ours (see `DriverErrors`); our
+    own errors (`Conflict` raised where a key is taken) pass."""
 
     def decorate(method: Method[P, T]) -> Method[P, T]:
         @functools.wraps(method)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+            args = clean(args)
+            kwargs = clean(kwargs)
             try:
                 return await method(*args, **kwargs)
             except AppError:
                 raise
-            except errors as exc:
+            except errors.unavailable as exc:
                 raise unavailable(exc) from exc
+            except errors.conflict as exc:
+                log.warning("store refused a write: %r", exc)
+                raise Conflict("the store refused a conflicting write") from exc
+            except errors.data as exc:
+                log.warning("store refused a value: %r", exc)
+                raise BadRequest("the store cannot keep a value of this request") from exc
+            except errors.every as exc:
+                log.error("store failed in %s", method.__name__, exc_info=exc)
+                raise AppError("internal error") from exc
 
         return wrapper
 
     return decorate
+
+
+def clean(value: Any) -> Any:
+    """`value` without NUL characters in any of its text: strings, and the strings
+    inside lists, tuples, dicts and dataclasses (bytes are left as they are). What
+    holds none is returned as it is, so the usual call costs a scan and nothing more."""
+    if isinstance(value, str):
+        return value.replace("\x00", "") if "\x00" in value else value
+    if isinstance(value, list):
+        cleaned = [clean(v) for v in value]
+        return value if all(a is b for a, b in zip(cleaned, value, strict=True)) else cleaned
+    if isinstance(value, tuple):
+        cleaned_t = tuple(clean(v) for v in value)
+        return value if all(a is b for a, b in zip(cleaned_t, value, strict=True)) else cleaned_t
+    if isinstance(value, dict):
+        items = [(clean(k), clean(v)) for k, v in value.items()]
+        if all(ck is k and cv is v for (ck, cv), (k, v) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {}
+        for f in dataclasses.fields(value):
+            old = getattr(value, f.name)
+            new = clean(old)
+            if new is not old:
+                changed[f.name] = new
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
 
 
 def unavailable(exc: BaseException) -> Unavailable:
@@ -329,6 +391,11 @@ class Store(abc.ABC):
         Saving the same answer twice is harmless."""
 
     @abc.abstractmethod
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        """Save running answers as far as they got, in one transaction; an answer no
+        longer `streaming` is left as it is."""
+
+    @abc.abstractmethod
     async def get_message(self, message_id: str) -> StoredMessage | None: ...
 
     @abc.abstractmethod
@@ -367,8 +434,15 @@ class Store(abc.ABC):
     # -- uploaded files -------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def add_file(self, record: FileRecord) -> None:
-        """A new upload (status `indexing`)."""
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
+        """A new upload (status `indexing`), read by the process whose worker lease has
+        the token `indexer`."""
+
+    @abc.abstractmethod
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        """Mark `failed` (with `error`) the uploads still `indexing` that were made
+        before `created_before` by a process whose worker lease has run out (it died
+        while reading them). Returns how many."""
 
     @abc.abstractmethod
     async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:

@@ -21,6 +21,8 @@ from .base import (
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
     Chat,
+    Checkpoint,
+    DriverErrors,
     FileRecord,
     Saved,
     Store,
@@ -130,21 +132,37 @@ MIGRATIONS = (
     """
     ALTER TABLE messages ADD COLUMN steps JSONB, ADD COLUMN error JSONB;
     """,
+    # 6: which process reads an upload (its worker lease's token), so that one left
+    # `indexing` by a process that died can be told from one still being read
+    """
+    ALTER TABLE files ADD COLUMN indexer TEXT;
+    CREATE INDEX files_indexing ON files (created_at) WHERE status = 'indexing';
+    """,
 )
 
-#: what says the database cannot be reached or used right now: connection trouble, and
-#: anything the server refuses (read-only after a failover, out of resources, shutting
-#: down) but a broken constraint, which each method maps where it means something
-UNAVAILABLE = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresError,
+#: how asyncpg's errors read: the database cannot be reached or used now (connection
+#: trouble; refusing writes after a failover; out of resources; shutting down; a
+#: statement timeout; a deadlock or serialization failure, which a retry resolves), a
+#: broken constraint, a value it cannot keep (a NUL in text, say); anything else is a bug
+ERRORS = DriverErrors(
+    unavailable=(
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.InterfaceError,
+        asyncpg.exceptions.InsufficientResourcesError,
+        asyncpg.exceptions.OperatorInterventionError,
+        asyncpg.exceptions.ReadOnlySQLTransactionError,
+        asyncpg.exceptions.TransactionRollbackError,
+        asyncpg.exceptions.PostgresSystemError,
+    ),
+    conflict=(asyncpg.IntegrityConstraintViolationError,),
+    data=(asyncpg.DataError,),
+    every=(asyncpg.PostgresError, asyncpg.exceptions.InternalClientError),
 )
 COMMAND_SECONDS = 10.0
 
-mapped = mapping_errors(UNAVAILABLE)
+mapped = mapping_errors(ERRORS)
 
 
 class PostgresStore(Store):
@@ -186,7 +204,13 @@ class PostgresStore(Store):
 
     @mapped
     async def ping(self) -> None:
-        await self.pool.fetchval("SELECT 1")
+        """Raise unless the database answers and takes writes (a replica promoted
+        back to read-only, say, answers but does not)."""
+        writable = await self.pool.fetchval(
+            "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
+        )
+        if not writable:
+            raise unavailable(RuntimeError("the database is read-only"))
 
     # -- chats --------------------------------------------------------------------------
 
@@ -318,6 +342,14 @@ class PostgresStore(Store):
             return changed
 
     @mapped
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        await self.pool.executemany(
+            "UPDATE messages SET content = $2, reasoning = $3, steps = $4 WHERE id = $1"
+            " AND status = 'streaming'",
+            [(c.answer_id, c.content, c.reasoning, c.steps) for c in progress],
+        )
+
+    @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.pool.fetchrow(
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = $1", message_id
@@ -405,11 +437,24 @@ class PostgresStore(Store):
     # -- uploaded files -------------------------------------------------------------------
 
     @mapped
-    async def add_file(self, record: FileRecord) -> None:
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
         await self.pool.execute(
-            f"INSERT INTO files ({FILE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            f"INSERT INTO files ({FILE_COLUMNS}, indexer)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             *file_params(record),
+            indexer or None,
         )
+
+    @mapped
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        status = await self.pool.execute(
+            "UPDATE files SET status = 'failed', error = $1 WHERE status = 'indexing'"
+            " AND created_at < $2 AND (indexer IS NULL OR indexer NOT IN"
+            f" (SELECT token FROM workers WHERE expires_at > {NOW}))",
+            error,
+            created_before,
+        )
+        return int(status.rsplit(" ", 1)[-1])
 
     @mapped
     async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:

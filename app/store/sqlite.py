@@ -27,6 +27,8 @@ from .base import (
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
     Chat,
+    Checkpoint,
+    DriverErrors,
     FileRecord,
     Saved,
     Store,
@@ -45,6 +47,7 @@ from .base import (
 )
 
 OPEN_ATTEMPTS = 100
+PING_SECONDS = 3.0
 
 MIGRATIONS = (
     """
@@ -152,9 +155,22 @@ MIGRATIONS = (
     ALTER TABLE messages ADD COLUMN steps TEXT;
     ALTER TABLE messages ADD COLUMN error TEXT;
     """,
+    # 6: which process reads an upload (its worker lease's token), so that one left
+    # `indexing` by a process that died can be told from one still being read
+    """
+    ALTER TABLE files ADD COLUMN indexer TEXT;
+    CREATE INDEX files_indexing ON files (created_at) WHERE status = 'indexing';
+    """,
 )
 
-mapped = mapping_errors((sqlite3.Error, OSError))
+mapped = mapping_errors(
+    DriverErrors(
+        unavailable=(sqlite3.OperationalError, OSError, TimeoutError),
+        conflict=(sqlite3.IntegrityError,),
+        data=(sqlite3.DataError,),
+        every=(sqlite3.Error,),
+    )
+)
 
 
 def sqlite_path(url: str) -> str:
@@ -209,20 +225,31 @@ class SQLiteStore(Store):
 
     @mapped
     async def ping(self) -> None:
-        async with self.db.execute("SELECT 1") as cur:
-            await cur.fetchone()
+        """Raise unless the store can be written: a write transaction is begun and
+        rolled back (with another connection holding the file's lock for longer than
+        `PING_SECONDS`, that is a failure too)."""
+        async with asyncio.timeout(PING_SECONDS), self._transaction():
+            pass
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction on the shared connection, under the write lock.
+
+        Cancelling is safe at any point. aiosqlite runs a statement its caller no
+        longer waits for, so a `BEGIN` cancelled while it waits for the file's lock
+        still begins a transaction later: the `ROLLBACK` is queued behind it (it
+        runs after it, in order, whatever happens to this task), and the lock is
+        released only after it ran. A transaction left open would make every later
+        write fail."""
         async with self._write_lock:
             db = self.db
-            await db.execute("BEGIN IMMEDIATE")
             try:
+                await db.execute("BEGIN IMMEDIATE")
                 yield db
+                await db.execute("COMMIT")
             except BaseException:
-                await db.execute("ROLLBACK")
+                await _rollback(db)
                 raise
-            await db.execute("COMMIT")
 
     async def _write(self, sql: str, params: tuple[Any, ...]) -> int:
         async with self._transaction() as db:
@@ -369,6 +396,15 @@ class SQLiteStore(Store):
             return changed
 
     @mapped
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        async with self._transaction() as db:
+            await db.executemany(
+                "UPDATE messages SET content = ?, reasoning = ?, steps = ? WHERE id = ?"
+                " AND status = 'streaming'",
+                [(c.content, c.reasoning, _json(c.steps), c.answer_id) for c in progress],
+            )
+
+    @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         rows = await self._rows(
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = ?", (message_id,)
@@ -444,10 +480,19 @@ class SQLiteStore(Store):
     # -- uploaded files -------------------------------------------------------------------
 
     @mapped
-    async def add_file(self, record: FileRecord) -> None:
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
         await self._write(
-            f"INSERT INTO files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            file_params(record),
+            f"INSERT INTO files ({FILE_COLUMNS}, indexer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*file_params(record), indexer or None),
+        )
+
+    @mapped
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        return await self._write(
+            "UPDATE files SET status = 'failed', error = ? WHERE status = 'indexing'"
+            " AND created_at < ? AND (indexer IS NULL OR indexer NOT IN"
+            " (SELECT token FROM workers WHERE expires_at > ?))",
+            (error, created_before, time.time()),
         )
 
     @mapped
@@ -529,6 +574,26 @@ class SQLiteStore(Store):
             (user_id, since),
         )
         return [Usage(r[0], r[2], r[3], r[4], bool(r[5]), r[1]) for r in rows]
+
+
+async def _rollback(db: aiosqlite.Connection) -> None:
+    """End whatever transaction the connection is in (none, when the BEGIN failed),
+    waiting for the ROLLBACK to have run even through further cancels — which are
+    passed on once it has: until then the connection is not the next writer's."""
+    done = asyncio.ensure_future(_run_rollback(db))
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _run_rollback(db: aiosqlite.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        await db.execute("ROLLBACK")
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:

@@ -29,15 +29,8 @@ from ..chat.modes import MODES
 from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, NotFound
-from ..protocol import (
-    FOCUS_MODES,
-    OPTIMIZATION_MODES,
-    ChatRequest,
-    Encoder,
-    Event,
-    Events,
-)
-from ..streams import Handle
+from ..events import FOCUS_MODES, Event, Handle
+from ..protocol import OPTIMIZATION_MODES, ChatRequest, Encoder, Events
 from .http import ERROR_TYPES, client_identity, count_request, openai_error, rate_key, read_json
 from .streaming import StreamResponse
 

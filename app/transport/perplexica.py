@@ -14,17 +14,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..chat.history import rewrite
 from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import BadRequest, Forbidden
-from ..protocol import (
-    Encoder,
-    Event,
-    Events,
-    parse_chat_request,
-    parse_messages,
-)
-from ..streams import Handle
+from ..events import Event, Handle
+from ..protocol import Encoder, Events, parse_chat_request, parse_messages
 from .http import count_request, json_errors, read_json, request_user
 from .streaming import StreamResponse
 
@@ -179,7 +174,8 @@ async def _media_query(request: Request) -> str:
     )
     await count_request(request)
     if history:
-        rewritten: str | None = await _service(request).rewrite(query, history)
+        service = _service(request)
+        rewritten = await rewrite(service.llm, service.prompts, query, history)
         return rewritten or query
     return query
 

@@ -14,16 +14,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..protocol import (
-    FORMATS,
-    Encoder,
-    Event,
-    parse_chat_request,
-    parse_id,
-    render,
-    render_start,
-)
-from ..streams import Handle
+from ..events import Event, Handle
+from ..protocol import FORMATS, Encoder, parse_chat_request, parse_id, render, render_start
 from .http import client_identity, count_request, json_errors, read_json, request_user
 from .streaming import StreamResponse
 

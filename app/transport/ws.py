@@ -19,10 +19,11 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ..chores import cancel_and_wait
 from ..errors import AppError, BadRequest, RateLimited
+from ..events import Event, Handle
 from ..protocol import (
     Encoder,
-    Event,
     error_body,
     loads,
     parse_chat_request,
@@ -31,7 +32,6 @@ from ..protocol import (
     render,
     render_start,
 )
-from ..streams import Handle
 from .http import client_identity, count_request, request_user
 from .perplexica import picked_model
 from .streaming import SERVER_SEND
@@ -156,7 +156,7 @@ class Session:
         try:
             await self._serve()
         finally:
-            watch.cancel()
+            await cancel_and_wait([watch])
 
     async def _serve(self) -> None:
         await self.writer.send_json({"type": "signal", "data": "open"})
@@ -257,8 +257,7 @@ class Session:
         """Let the relays deliver what they have (up to `wait` seconds), then close."""
         if self.relays:
             await asyncio.wait(list(self.relays), timeout=wait)
-        for task in list(self.relays):
-            task.cancel()
+        await cancel_and_wait(self.relays)
         with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
             await self.websocket.close(code)
 
@@ -286,8 +285,7 @@ async def endpoint(websocket: WebSocket) -> None:
     finally:
         connections.dec()
         sessions.discard(session)
-        for task in session.relays:
-            task.cancel()
+        await cancel_and_wait(session.relays)
 
 
 def _chat_id_of(body: dict[str, Any]) -> str | None:

@@ -17,6 +17,7 @@ message, so one test can pick it per request:
     #size=K        each content token is K characters long
     #think         content tokens carry "<think>…</think>" cut across chunks
     #nousage       no `usage` chunk, even when `stream_options.include_usage` asks
+    #nul           each content token carries a NUL character ("tok0\u0000 ")
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
@@ -167,6 +168,8 @@ class FakeModel:
                 pieces = think_pieces()
             elif size:
                 pieces = [f"tok{i} ".ljust(size, "x") for i in range(tokens)]
+            elif "nul" in script:
+                pieces = [f"tok{i}\u0000 " for i in range(tokens)]
             else:
                 pieces = [f"tok{i} " for i in range(tokens)]
             for i, piece in enumerate(pieces):
