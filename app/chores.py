@@ -83,10 +83,15 @@ class Chores:
             await asyncio.wait(tasks, timeout=timeout)
 
 
-async def cancel_and_wait(tasks: list[asyncio.Task[Any]] | set[asyncio.Task[Any]]) -> None:
-    """Cancel tasks and wait until each has ended (their errors are theirs to log)."""
+async def cancel_and_wait(
+    tasks: list[asyncio.Task[Any]] | set[asyncio.Task[Any]], timeout: float = 10.0
+) -> None:
+    """Cancel tasks and wait until each has ended (their errors are theirs to log) —
+    at most `timeout` seconds: one that does not end by then is logged and left."""
     pending = [task for task in tasks if not task.done()]
     for task in pending:
         task.cancel()
     if pending:
-        await asyncio.wait(pending)
+        _, stuck = await asyncio.wait(pending, timeout=timeout)
+        for task in stuck:
+            log.error("%s did not end %.0f s after it was cancelled", task.get_name(), timeout)

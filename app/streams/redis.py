@@ -123,11 +123,10 @@ async def unavailable(seconds: float = OPERATION_SECONDS * 2) -> AsyncIterator[N
 
 def blocking_client(redis: aioredis.Redis) -> aioredis.Redis:
     """A client on a pool of its own, with the same address and options as `redis`,
-    for reads that wait on Redis (XREAD BLOCK, pub/sub): their socket timeout leaves
-    room for the wait."""
+    for reads that wait on Redis (XREAD BLOCK, pub/sub); each wait is bounded by the
+    caller (see `open_redis` on why not by a socket timeout)."""
     options = dict(redis.connection_pool.connection_kwargs)
-    timeout = options.get("socket_timeout") or OPERATION_SECONDS
-    options["socket_timeout"] = timeout + BLOCK_MS / 1000
+    options["socket_timeout"] = None
     pool = aioredis.ConnectionPool(
         connection_class=redis.connection_pool.connection_class, **options
     )
@@ -159,8 +158,11 @@ class RedisHub(StreamHub):
         commit_linger: float = 0.005,
         flush_interval: float | None = None,
         blocking: aioredis.Redis | None = None,
+        timeout: float = OPERATION_SECONDS,
     ) -> None:
         self.redis = redis
+        #: the longest one call to Redis may take (a few round trips: twice that)
+        self.timeout = timeout
         #: for reads that wait on Redis (XREAD BLOCK, pub/sub): a pool of their own, so
         #: that waiting readers never hold the connections commits need
         self.blocking = blocking or blocking_client(redis)
@@ -209,18 +211,19 @@ class RedisHub(StreamHub):
     # -- lifecycle ------------------------------------------------------------------
 
     async def open(self) -> None:
-        await self.redis.set(_proc(self.token), b"1", px=self.handle_ttl_ms)
+        async with unavailable(self.timeout * 2):
+            await self.redis.set(_proc(self.token), b"1", px=self.handle_ttl_ms)
         self._chores.loop("committer", self._committer)
         self._chores.loop("cancel listener", self._listener)
         self._chores.loop("heartbeat", self._heartbeat)
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            async with asyncio.timeout(OPERATION_SECONDS):
+            async with asyncio.timeout(self.timeout):
                 await self.flush()
         await self._chores.aclose()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            async with asyncio.timeout(OPERATION_SECONDS):
+            async with asyncio.timeout(self.timeout):
                 await self.redis.delete(_proc(self.token))
         if self._owns_blocking:
             with contextlib.suppress(RedisError, OSError):
@@ -232,7 +235,7 @@ class RedisHub(StreamHub):
         return self._outage
 
     async def ping(self) -> None:
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             await self.redis.ping()
 
     def _payload(self, handle: Handle) -> bytes:
@@ -269,7 +272,7 @@ class RedisHub(StreamHub):
             raise recovering(wait)
         payload = self._payload(handle)
         cap_key = cap_key or handle.user_id
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             claimed = await self._claim(
                 keys=[_run(handle.chat_id), _proc(self.token), RECOVERING],
                 args=[payload, self.handle_ttl_ms],
@@ -312,8 +315,9 @@ class RedisHub(StreamHub):
         self._extended.pop(handle.answer_id, None)
         self._logged.discard(handle.answer_id)
         try:
-            await self._unclaim(handle, self._payload(handle), entry.cap_key if entry else "")
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout * 2):
+                await self._unclaim(handle, self._payload(handle), entry.cap_key if entry else "")
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("redis unavailable while abandoning %s: %r", handle.answer_id, exc)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
@@ -323,7 +327,7 @@ class RedisHub(StreamHub):
         self._extended.pop(handle.answer_id, None)
         try:
             self._pending.setdefault(handle.answer_id, []).append(terminal)
-            async with asyncio.timeout(OPERATION_SECONDS * 2):
+            async with asyncio.timeout(self.timeout * 2):
                 await self.flush(only=handle.answer_id)
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
@@ -351,7 +355,7 @@ class RedisHub(StreamHub):
         local = self.local.lookup(chat_id)
         if local is not None:
             return local
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             raw = await self.redis.get(_run(chat_id))
         if raw is None and self._doubtful():
             raise recovering(self._doubt_until - time.monotonic())
@@ -360,14 +364,14 @@ class RedisHub(StreamHub):
     async def cancel(self, handle: Handle) -> None:
         if self.local.cancel(handle.answer_id):
             return
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(_cancel(handle.answer_id), b"1", px=max(self.handle_ttl_ms * 2, 60_000))
                 pipe.publish(CHANNEL, handle.answer_id)
                 await pipe.execute()
 
     async def latest(self, chat_id: str) -> Handle | None:
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             answer_id = await self.redis.get(_latest(chat_id))
         if answer_id:
             return await self.find(_text(answer_id))
@@ -378,7 +382,7 @@ class RedisHub(StreamHub):
         local = self.local.log(answer_id)
         if local is not None:
             return local.handle
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             raw = await self.redis.get(_gen(answer_id))
         if raw is None and self._doubtful():
             raise recovering(self._doubt_until - time.monotonic())
@@ -388,10 +392,11 @@ class RedisHub(StreamHub):
         if not answers:
             return []
         try:
-            *claims, recovering_now = await self.redis.mget(
-                [_run(chat_id) for chat_id, _ in answers] + [RECOVERING]
-            )
-        except (RedisError, OSError):
+            async with asyncio.timeout(self.timeout):
+                *claims, recovering_now = await self.redis.mget(
+                    [_run(chat_id) for chat_id, _ in answers] + [RECOVERING]
+                )
+        except (RedisError, OSError, TimeoutError):
             self._connection_lost()
             return ["unknown"] * len(answers)
         doubtful = self._doubtful() or recovering_now is not None
@@ -412,7 +417,7 @@ class RedisHub(StreamHub):
         handle = await self.find(answer_id)
         if handle is None:
             return []
-        async with unavailable():
+        async with unavailable(self.timeout * 2):
             events, _ = await self._gather(handle)
         return [events[seq] for seq in sorted(events)]
 
@@ -420,10 +425,11 @@ class RedisHub(StreamHub):
         if self._doubtful():
             return False
         try:
-            if await self.redis.exists(RECOVERING):
-                return False
-            held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
-        except (RedisError, OSError):
+            async with asyncio.timeout(self.timeout * 2):
+                if await self.redis.exists(RECOVERING):
+                    return False
+                held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
+        except (RedisError, OSError, TimeoutError):
             return False
         return bool(held)
 
@@ -450,7 +456,7 @@ class RedisHub(StreamHub):
             if self.commit_linger > 0:
                 await asyncio.sleep(self.commit_linger)
             try:
-                async with asyncio.timeout(OPERATION_SECONDS * 2):
+                async with asyncio.timeout(self.timeout * 2):
                     await self.flush()
             except (RedisError, OSError, TimeoutError) as exc:
                 if not self._outage:
@@ -597,7 +603,8 @@ class RedisHub(StreamHub):
         hold, then the journal as it grows. Through an outage it reconnects and goes
         on from the last event it had; it ends with an `error` event when the
         generation is lost, or Redis stays away past `settle` + the claim's TTL."""
-        owner = await self._owner_of(handle.answer_id)
+        async with unavailable(self.timeout * 2):
+            owner = await self._owner_of(handle.answer_id)
         if owner:
             key, field = _journal(owner), handle.answer_id.encode()
         else:  # written by a version without journals: the log alone, as it is written
@@ -613,21 +620,24 @@ class RedisHub(StreamHub):
             try:
                 if catch_up:
                     catch_up = False
-                    found, last_id = await self._gather(handle)
+                    async with asyncio.timeout(self.timeout * 2):
+                        found, last_id = await self._gather(handle)
                     batch = _after(found, seq)
                     if batch:
                         seq, heard = batch[-1].seq, time.monotonic()
                         yield batch
                         if batch[-1].terminal:
                             return
-                entries = _entries(await self.blocking.xread({key: last_id}, block=BLOCK_MS))
+                async with asyncio.timeout(BLOCK_MS / 1000 + self.timeout):
+                    entries = _entries(await self.blocking.xread({key: last_id}, block=BLOCK_MS))
                 if not entries or time.monotonic() - heard > BLOCK_MS / 1000:
                     # nothing for this answer for a while: does it still run, and has
                     # its log what the journal lacks (re-asserted after Redis lost it)?
                     heard = time.monotonic()
                     (state,) = await self.states([(handle.chat_id, handle.answer_id)])
                     if state == "gone":  # one last look: the end may have landed just now
-                        batch = _after((await self._gather(handle))[0], seq)
+                        async with asyncio.timeout(self.timeout * 2):
+                            batch = _after((await self._gather(handle))[0], seq)
                         if batch:
                             seq = batch[-1].seq
                             yield batch
@@ -642,7 +652,7 @@ class RedisHub(StreamHub):
                     if not entries:
                         continue
                 failing_since, delay = None, 0.1
-            except (RedisError, OSError, AppError) as exc:
+            except (RedisError, OSError, AppError, TimeoutError) as exc:
                 self._connection_lost()
                 now = time.monotonic()
                 if failing_since is None:
@@ -720,7 +730,7 @@ class RedisHub(StreamHub):
         while True:
             pubsub = self.blocking.pubsub(ignore_subscribe_messages=True)
             try:
-                async with asyncio.timeout(OPERATION_SECONDS):
+                async with asyncio.timeout(self.timeout):
                     await pubsub.subscribe(CHANNEL)
                 if failing:
                     log.info("cancel listener: redis is back")
@@ -762,7 +772,7 @@ class RedisHub(StreamHub):
                     await self._beat_now.wait()
             self._beat_now.clear()
             try:
-                async with asyncio.timeout(OPERATION_SECONDS * 2):
+                async with asyncio.timeout(self.timeout * 2):
                     await self.beat()
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("heartbeat: redis unavailable: %r", exc)
