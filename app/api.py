@@ -15,6 +15,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat.service import ChatService
+from .demo import is_demo
 from .errors import BadRequest, NotFound
 from .events import FOCUS_MODES
 from .files.extract import kind_of
@@ -182,12 +183,14 @@ async def config(request: Request) -> Response:
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
             "searchProvider": choose_provider(settings).name,
-            "searchProblem": search_problem(settings),
+            "searchProblem": search_problem(settings) or request.app.state.service.search_problem,
             "readerProvider": settings.reader.provider,
             "chatModel": settings.llm.model,
             "smallModel": settings.llm.effective_small_model,
             "embeddingModel": settings.embeddings.model,
             "authRequired": bool(settings.auth.api_keys),
+            "demo": is_demo(settings.llm.base_url),
+            "modelProblem": request.app.state.service.model_problem,
         }
     )
 
@@ -278,7 +281,11 @@ async def readyz(request: Request) -> Response:
     failing = await service.health()
     if failing:
         return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
-    return JSONResponse({"status": "ready"})
+    ready: dict[str, object] = {"status": "ready"}
+    warnings = {"model": service.model_problem, "search": service.search_problem}
+    if any(warnings.values()):  # ready all the same: either may come back
+        ready["warnings"] = {name: text for name, text in warnings.items() if text}
+    return JSONResponse(ready)
 
 
 async def metrics(request: Request) -> Response:

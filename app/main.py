@@ -23,10 +23,11 @@ from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings
+from .demo import DemoModel, is_demo
 from .files.service import FileService
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
-from .llm import Embedder, LLMClient
+from .llm import ChatModel, Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
 from .prompts import Prompts
@@ -50,7 +51,7 @@ async def open_service(
     *,
     metrics: Metrics,
     redis: aioredis.Redis | None = None,
-    llm: LLMClient | None = None,
+    llm: ChatModel | None = None,
     store: Store | None = None,
     prompts: Prompts | None = None,
 ) -> AsyncIterator[ChatService]:
@@ -70,11 +71,12 @@ async def open_service(
             handle_ttl=settings.stream.handle_ttl_seconds,
             max_generation_seconds=settings.llm.timeout_seconds,
             commit_linger=settings.stream.commit_linger_ms / 1000,
+            timeout=settings.redis.timeout_seconds,
         )
         await stack.enter_async_context(hub)
-        the_llm = llm or LLMClient(settings.llm)
-        stack.push_async_callback(the_llm.aclose)
         the_prompts = prompts or Prompts()
+        the_llm = llm or open_model(settings, the_prompts)
+        stack.push_async_callback(the_llm.aclose)
         embedder = Embedder(settings.embeddings)
         stack.push_async_callback(embedder.aclose)
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
@@ -107,10 +109,18 @@ async def open_service(
             await service.aclose(settings.server.shutdown_grace_seconds)
 
 
+def open_model(settings: Settings, prompts: Prompts) -> ChatModel:
+    """The model `llm.base_url` names: the built-in demo model for `demo`, else any
+    OpenAI-compatible server."""
+    if is_demo(settings.llm.base_url):
+        return DemoModel(prompts, settings.llm.base_url)
+    return LLMClient(settings.llm)
+
+
 def create_app(
     settings: Settings,
     *,
-    llm: LLMClient | None = None,
+    llm: ChatModel | None = None,
     store: Store | None = None,
     prompts: Prompts | None = None,
 ) -> Starlette:
@@ -217,6 +227,7 @@ class App(Starlette):
 def announce(settings: Settings, service: ChatService) -> None:
     """One line saying what runs, and a warning for each thing that will not work."""
     store_kind = settings.store.url.partition(":")[0]
+    demo = is_demo(settings.llm.base_url)
     log.info(
         "serving",
         extra={
@@ -224,7 +235,8 @@ def announce(settings: Settings, service: ChatService) -> None:
                 "store": store_kind,
                 "redis": bool(settings.redis.url),
                 "model": settings.llm.model,
-                "modelHost": urlsplit(settings.llm.base_url).hostname,
+                "modelHost": "" if demo else urlsplit(settings.llm.base_url).hostname,
+                "demo": demo,
                 **dict(
                     zip(
                         ("searchProvider", "searchProviderReason"),
@@ -238,14 +250,24 @@ def announce(settings: Settings, service: ChatService) -> None:
             }
         },
     )
-    if not settings.llm.api_key:
-        log.warning("no model key (LLM_API_KEY): every question will be refused with CONFIG_ERROR")
+    if demo:
+        log.warning(
+            "demo model: answers are made up, nothing is asked of a real model; for real "
+            "answers set LLM_BASE_URL and LLM_API_KEY and start without --demo"
+        )
+    elif not settings.llm.api_key:
+        log.warning(
+            "no model key (LLM_API_KEY): every question will be refused with CONFIG_ERROR; "
+            "set it, or try the server with `python -m app --demo`"
+        )
     problem = search_problem(settings)
     if problem:
         log.warning("web search will not work: %s; answers come without sources", problem)
     if not settings.auth.api_keys and settings.server.host not in ("127.0.0.1", "localhost"):
         log.warning(
-            "auth is off on %s: anyone who reaches this port can ask (and spend the model key)",
+            "auth is off on %s: anyone who reaches this port can ask (and spend the model "
+            "key); turn auth on with AUTH_API_KEYS=<key>:<user id> (README, Security), or "
+            "listen on 127.0.0.1 only with SERVER_HOST=127.0.0.1",
             settings.server.host,
         )
 

@@ -141,8 +141,11 @@ class AppProcess(Loopback):
     """The server as its own process (`python -m app`), configured by environment;
     `prefix` runs it under another command (`OWN_PID_NAMESPACE`)."""
 
-    def __init__(self, env: dict[str, str], prefix: list[str] | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str], prefix: list[str] | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         self.prefix = prefix or []
+        self.args = args
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -156,7 +159,7 @@ class AppProcess(Loopback):
 
     def start(self) -> AppProcess:
         self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "app"],
+            [*self.prefix, sys.executable, "-m", "app", *self.args],
             env=self.env,
             cwd=ROOT,
             stdout=self.log_file,

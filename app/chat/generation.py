@@ -23,7 +23,7 @@ from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
-from ..llm import LLMClient, Message
+from ..llm import ChatModel, Message
 from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest
@@ -50,7 +50,7 @@ class Services:
     link, where background chores run, and the metrics."""
 
     settings: Settings
-    llm: LLMClient
+    llm: ChatModel
     prompts: Prompts
     search: WebSearch
     research: DeepResearch

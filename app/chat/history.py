@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from ..errors import AppError
-from ..llm import LLMClient
+from ..llm import ChatModel
 from ..prompts import Prompts, answer_lines
 from ..store import Store
 
@@ -37,7 +37,7 @@ def format_history(history: Sequence[tuple[str, str]]) -> str:
 
 
 async def rewrite(
-    llm: LLMClient, prompts: Prompts, question: str, history: Sequence[tuple[str, str]]
+    llm: ChatModel, prompts: Prompts, question: str, history: Sequence[tuple[str, str]]
 ) -> str | None:
     """The standalone form of `question`, or None when it needs none (or the model failed)."""
     prompt = prompts.render(
@@ -55,7 +55,7 @@ async def rewrite(
 
 
 async def make_title(
-    llm: LLMClient, prompts: Prompts, store: Store, chat_id: str, question: str
+    llm: ChatModel, prompts: Prompts, store: Store, chat_id: str, question: str
 ) -> None:
     """Give a new chat a title written by the small model (its first line stays the
     title when the model fails)."""

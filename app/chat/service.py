@@ -30,7 +30,7 @@ from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, Not
 from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
-from ..llm import LLMClient
+from ..llm import ChatModel
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
 from ..protocol import ChatRequest, Encoder, parse_event_id
@@ -56,7 +56,7 @@ class ChatService:
         *,
         store: Store,
         hub: StreamHub,
-        llm: LLMClient,
+        llm: ChatModel,
         prompts: Prompts,
         ids: Snowflake,
         search: WebSearch,
@@ -98,6 +98,9 @@ class ChatService:
         self._runs: set[asyncio.Task[None]] = set()
         self._link_key = b""
         self.accepting = True
+        #: why the model, or web search, cannot be used at all, as found at start (or None)
+        self.model_problem: str | None = None
+        self.search_problem: str | None = None
 
     # -- generations -------------------------------------------------------------
 
@@ -360,6 +363,19 @@ class ChatService:
         """What the user's answers cost since `since`, per model."""
         return await self.store.usage(user_id, since)
 
+    async def _probe(self) -> None:
+        """Once at start: can the model and the web search be reached at all? Logged,
+        and said by `/readyz` and `/api/config` before the first question (the server
+        stays ready: either may come back)."""
+        search, model = await asyncio.gather(
+            self.search.probe(), self.llm.probe() if self.llm.configured else _none()
+        )
+        self.search_problem, self.model_problem = search, model
+        if model:
+            log.warning("the model cannot be used: %s", model)
+        if search:
+            log.warning("web search will not work: %s; answers come without sources", search)
+
     async def health(self) -> dict[str, str]:
         """The backends that do not answer, with why (empty when all do)."""
         failing = {}
@@ -384,6 +400,7 @@ class ChatService:
         sweeper first closes what a crash left)."""
         self._link_key = (await self.store.secret("sources-links")).encode()
         await self.keeper.open()
+        self.chores.spawn(self._probe(), name="probe")
 
     async def sweep(self) -> int:
         """Close what dead processes left (see `AnswerKeeper.sweep`)."""
@@ -419,3 +436,7 @@ class ChatService:
         await self.drain(grace)
         await self.keeper.aclose()
         await self.chores.aclose()
+
+
+async def _none() -> None:
+    return None

@@ -74,6 +74,12 @@ class SearchProvider(abc.ABC):
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
 
+    @property
+    def endpoint(self) -> str:
+        """A URL whose host the provider talks to (what the start-up check connects
+        to); "" for one that needs no network."""
+        return ""
+
     @abc.abstractmethod
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from ..chat.history import rewrite
 from ..chat.service import ChatService
 from ..config import Settings
+from ..demo import is_demo
 from ..errors import BadRequest, Forbidden
 from ..events import Event, Handle
 from ..protocol import Encoder, Events, parse_chat_request, parse_messages
@@ -60,6 +61,8 @@ def provider_name(base_url: str) -> str:
 def chat_models(settings: Settings) -> tuple[str, dict[str, str]]:
     """The chat models clients may pick, by name → display name, and their provider."""
     llm = settings.llm
+    if is_demo(llm.base_url):
+        return "demo", {llm.model: "Demo model (made-up answers)"}
     models = {llm.model: llm.model}
     if llm.effective_small_model != llm.model:
         models[llm.effective_small_model] = f"{llm.effective_small_model} (small)"

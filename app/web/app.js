@@ -825,10 +825,11 @@ async function loadConfig() {
   banner(null);
   auth.required = Boolean(state.config.authRequired);
   site.searchProvider = state.config.searchProvider || "";
-  const problem = state.config.searchProblem;
+  $("#demo-notice").hidden = !state.config.demo;
+  const problem = state.config.demo ? null : state.config.searchProblem;
   $("#search-off").hidden = !problem;
   $("#search-off").textContent = problem
-    ? `Web search is not set up on this server, so answers will have no web sources (${problem}). ${searchFix(problem)}`
+    ? `Web search will not work on this server: ${problem}. Answers will have no web sources. ${searchFix(problem)}`
     : "";
   fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
   return true;

@@ -217,13 +217,16 @@ export function explain(key, detail = "", retryAfter = 0) {
     case "CONFIG_ERROR":
       return { text: "The server has no AI model set up (LLM_API_KEY). Whoever runs it needs to configure one." };
     case "CHAT_ERROR":
+      if (/refused the connection|does not resolve|secure connection/i.test(detail)) {
+        return { text: "The server cannot reach its AI model: it is not set up right (its address). Whoever runs the server needs to check LLM_BASE_URL." };
+      }
       return { text: "The AI model could not be reached. Try again in a moment." };
     case "STREAM_ERROR":
       if (/generation lost/i.test(detail)) return explain("LOST");
       if (/did not finish within|timed out|no token/i.test(detail)) return { text: "The AI model took too long to answer. Try again." };
-      if (/answered (401|403)/.test(detail)) return { text: "The AI model refused the server's key. Whoever runs the server needs to check LLM_API_KEY." };
-      if (/answered 429/.test(detail)) return { text: "The AI model is rate-limiting this server. Try again in a minute." };
-      if (/answered \d{3}/.test(detail)) return { text: "The AI model returned an error instead of an answer. Try again in a moment." };
+      if (/(answered |\()(401|403)\b|API key/.test(detail)) return { text: "The AI model refused the server's key. Whoever runs the server needs to check LLM_API_KEY." };
+      if (/(answered |\()429\b|rate limiting/.test(detail)) return { text: "The AI model is rate-limiting this server. Try again in a minute." };
+      if (/(answered |\()\d{3}\b/.test(detail)) return { text: "The AI model returned an error instead of an answer. Try again in a moment." };
       if (/empty answer/.test(detail)) return { text: "The AI model sent an empty answer. Try again." };
       return { text: "The AI model stopped answering partway through. Try again." };
     case "SEARCH_ERROR":
