@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage, Usage
+from .base import (
+    Account,
+    AccountChange,
+    ApiKey,
+    Chat,
+    FileRecord,
+    Saved,
+    Store,
+    StoredChunk,
+    StoredMessage,
+    Usage,
+)
 
 
 def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100) -> Store:
@@ -25,6 +36,9 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
 
 
 __all__ = [
+    "Account",
+    "AccountChange",
+    "ApiKey",
     "Chat",
     "FileRecord",
     "Saved",
