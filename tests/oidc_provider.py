@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ROOT, free_port, wait_for_port
+from app.config import Settings
+from app.main import create_app
+from tests.servers import ROOT, ServerThread, free_port, wait_for_port
 
 CLIENT_ID = "searchchat-test"
 CLIENT_SECRET = "a client secret for the tests only"
@@ -82,9 +84,29 @@ class OidcProvider:
 
 
 @contextlib.contextmanager
-def oidc_provider(redirect_uri: str, port: int) -> Iterator[OidcProvider]:
-    provider = OidcProvider(port).start(redirect_uri)
+def server_with_oidc(
+    settings: Settings, **auth: object
+) -> Iterator[tuple[ServerThread, OidcProvider]]:
+    """Our server with accounts and sign-in through a provider started for it (whose one
+    client's redirect URI is our callback)."""
+    port = free_port()
+    configured = settings.replace(
+        auth={
+            "mode": "accounts",
+            "oidc": {
+                "issuer": f"http://127.0.0.1:{port}",
+                "client_id": CLIENT_ID,
+                "client_secret": CLIENT_SECRET,
+                "name": "Test IdP",
+            },
+            **auth,
+        }
+    )
+    server = ServerThread(create_app(configured))
+    provider = OidcProvider(port).start(server.url + "/api/auth/oidc/callback")
     try:
-        yield provider
+        server.start()
+        yield server, provider
     finally:
+        server.stop()
         provider.stop()

@@ -14,11 +14,10 @@ import httpx
 import orjson
 import pytest
 
-from app.main import create_app
 from tests.client import sse_chat
 from tests.identity import browser, question, sign_up
-from tests.oidc_provider import CLIENT_ID, CLIENT_SECRET, LOGIN, NAME, PASSWORD, OidcProvider
-from tests.servers import ServerThread, free_port
+from tests.oidc_provider import CLIENT_ID, LOGIN, NAME, PASSWORD, OidcProvider, server_with_oidc
+from tests.servers import ServerThread
 
 pytestmark = pytest.mark.anyio
 
@@ -30,27 +29,8 @@ def signup_rule() -> str:
 
 @pytest.fixture
 def oidc_server(settings, signup_rule) -> Iterator[tuple[ServerThread, OidcProvider]]:
-    port = free_port()
-    configured = settings.replace(
-        auth={
-            "mode": "accounts",
-            "signup": signup_rule,
-            "oidc": {
-                "issuer": f"http://127.0.0.1:{port}",
-                "client_id": CLIENT_ID,
-                "client_secret": CLIENT_SECRET,
-                "name": "Test IdP",
-            },
-        }
-    )
-    server = ServerThread(create_app(configured))
-    provider = OidcProvider(port).start(server.url + "/api/auth/oidc/callback")
-    try:
-        server.start()
-        yield server, provider
-    finally:
-        server.stop()
-        provider.stop()
+    with server_with_oidc(settings, signup=signup_rule) as running:
+        yield running
 
 
 async def at_provider(http: httpx.AsyncClient, authorize: str, login: str = LOGIN) -> str:

@@ -135,7 +135,7 @@ async def logout(request: Request) -> Response:
 
 
 def _sign_in_options(identity: Identity) -> dict[str, Any]:
-    out: dict[str, Any] = {"authMethods": identity.methods}
+    out: dict[str, Any] = {"authMethods": identity.methods, "authMode": identity.mode}
     if identity.mode == "accounts":
         out["signup"] = identity.settings.auth.signup
         if identity.oidc is not None:
@@ -146,10 +146,11 @@ def _sign_in_options(identity: Identity) -> dict[str, Any]:
 @json_errors
 async def me(request: Request) -> Response:
     """`GET /api/auth/me` → `{"user", "authMethods"}`, or 401 (which says how to sign
-    in: `authMethods`, `signup`, `oidc`). 404 with auth off."""
+    in: `authMethods`, `signup`, `oidc`). With auth off `user` is null: requests name
+    their user."""
     identity = _identity(request)
     if not identity.enabled:
-        raise NotFound("auth is off on this server")
+        return JSONResponse({"user": None, **_sign_in_options(identity)})
     user = current_user(request)
     if user is None:
         return error_response(Unauthorized("not signed in"), **_sign_in_options(identity))
@@ -196,7 +197,8 @@ async def oidc_login(request: Request) -> Response:
 async def oidc_callback(request: Request) -> Response:
     """`GET /api/auth/oidc/callback`: back from the identity provider. Signed in: to
     `next` with the session cookie. Refused: to the web client's sign-in page, saying
-    why (in the fragment, which no server logs)."""
+    why (in the fragment, which no server logs): `/signin`, the web client's page whatever
+    else serves `/`."""
     try:
         oidc, accounts = _oidc(request), _accounts(request)
         claims, next_path = await oidc.finish(
@@ -205,7 +207,7 @@ async def oidc_callback(request: Request) -> Response:
         _, token = await accounts.for_oidc(claims)
     except AppError as exc:
         response: Response = RedirectResponse(
-            "/#signin-error=" + quote(exc.message), status_code=302
+            "/signin#signin-error=" + quote(exc.message), status_code=302
         )
     else:
         response = _with_session(request, RedirectResponse(next_path, status_code=302), token)
