@@ -46,6 +46,10 @@ def configure(level: str = "INFO") -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True
+    # HTTP clients log every request's URL at INFO (query strings with keys among them;
+    # OIDC and JWKS requests go through them too): only their warnings
+    for name in ("httpx", "httpx2", "httpcore", "authlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class AccessLog:

@@ -5,6 +5,9 @@ one user cannot reach of another's, disabling, the admin's routes and daily quot
 from __future__ import annotations
 
 import asyncio
+import logging
+import subprocess
+import sys
 import time
 
 import httpx
@@ -15,7 +18,7 @@ from httpx_ws import WebSocketDisconnect, aconnect_ws
 from app.main import create_app
 from tests.client import iter_sse, sse_chat
 from tests.identity import PASSWORD, browser, question, sign_in, sign_up
-from tests.servers import serve
+from tests.servers import ROOT, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -390,6 +393,11 @@ async def test_a_daily_quota_stops_questions_before_the_model_on_every_transport
             key = (await user.post("/api/keys", json={"name": "k"})).json()["key"]
             events = await sse_chat(user, question("the first answer"))
             assert events[-1].data["status"] == "completed"
+            # the chat's title is written in the background once the answer is out
+            for _ in range(100):
+                if any("Title:" in str(r["messages"]) for r in fake_model.requests):
+                    break
+                await asyncio.sleep(0.05)
             asked = len(fake_model.requests)
 
             refused = await user.post("/api/chat/sse", json=question("one more"))
@@ -463,3 +471,40 @@ async def test_disabling_mid_answer_leaves_the_answer_saved(server, fake_model):
         await sign_in(user, "user@example.test")
         saved = (await user.get("/api/chats/m1")).json()["messages"][-1]
         assert saved["status"] == "completed"
+
+
+async def test_passwords_sessions_keys_and_tokens_are_not_logged(server, fake_model, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret_password = "a-password-nobody-logs-42"
+    async with browser(server.url) as http:
+        await sign_up(http, "log@example.test", password=secret_password)
+        await http.post(
+            "/api/auth/login", json={"email": "log@example.test", "password": "wrong-pw-777"}
+        )
+        await sign_in(http, "log@example.test", password=secret_password)
+        session = http.cookies["sc_session"]
+        key = (await http.post("/api/keys", json={"name": "k"})).json()["key"]
+        await sse_chat(http, question("hello"))
+        async with aconnect_ws(server.ws_url + f"/api/chat/ws?token={key}", http) as ws:
+            await ws.receive_text()
+        await http.get("/api/chats", headers={"authorization": f"Bearer {key}"})
+        await http.get("/api/chats", headers={"authorization": "Bearer sck_not-a-real-key"})
+    await asyncio.sleep(0.1)
+    server_side = [r for r in caplog.records if r.name.startswith(("app", "uvicorn"))]
+    text = "\n".join(r.getMessage() + str(getattr(r, "fields", "")) for r in server_side)
+    assert "/api/auth/login" in text  # the access log did run
+    for secret in (secret_password, "wrong-pw-777", session, key, "sck_not-a-real-key"):
+        assert secret not in text
+    assert "token=" not in text
+
+
+def test_http_clients_log_no_request_urls_once_logging_is_configured():
+    probe = (
+        "import logging; from app import logs; logs.configure();"
+        "print([logging.getLogger(n).isEnabledFor(logging.INFO) for n in"
+        " ('httpx', 'httpx2', 'httpcore', 'app')])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == "[False, False, False, True]"

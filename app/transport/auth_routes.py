@@ -174,13 +174,16 @@ def _next(value: str | None) -> str:
     return value
 
 
-@json_errors
 async def oidc_login(request: Request) -> Response:
-    """`GET /api/auth/oidc/login?next=` → to the identity provider."""
-    _accounts(request)
-    url, flow = await _oidc(request).begin(
-        _base(request) + CALLBACK, _next(request.query_params.get("next"))
-    )
+    """`GET /api/auth/oidc/login?next=` → to the identity provider (a browser follows a
+    link here: a failure goes back to the sign-in page, saying why)."""
+    try:
+        _accounts(request)
+        url, flow = await _oidc(request).begin(
+            _base(request) + CALLBACK, _next(request.query_params.get("next"))
+        )
+    except AppError as exc:
+        return _refused(exc)
     response = RedirectResponse(url, status_code=302)
     response.set_cookie(
         FLOW_COOKIE,
@@ -192,6 +195,10 @@ async def oidc_login(request: Request) -> Response:
         secure=_https(request),
     )
     return response
+
+
+def _refused(exc: AppError) -> Response:
+    return RedirectResponse("/signin#signin-error=" + quote(exc.message), status_code=302)
 
 
 async def oidc_callback(request: Request) -> Response:
@@ -206,9 +213,7 @@ async def oidc_callback(request: Request) -> Response:
         )
         _, token = await accounts.for_oidc(claims)
     except AppError as exc:
-        response: Response = RedirectResponse(
-            "/signin#signin-error=" + quote(exc.message), status_code=302
-        )
+        response: Response = _refused(exc)
     else:
         response = _with_session(request, RedirectResponse(next_path, status_code=302), token)
     response.delete_cookie(FLOW_COOKIE, path="/api/auth/oidc", httponly=True, samesite="lax")

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Auth
-from ..errors import AppError, BadRequest
+from ..errors import AppError, BadRequest, Unauthorized
 from ..identity import User
 from ..identity.resolver import SAFE_METHODS, Identity
 from ..protocol import ChatRequest, error_body, loads, parse_id
@@ -197,10 +197,10 @@ class AuthMiddleware:
             try:
                 try:
                     user = await identity.authenticate(request, token_param=sources)
-                except AppError:
+                except Unauthorized:
                     if not signing_in:
                         raise
-                    user = None
+                    user = None  # signing in, or asking how to
                 set_user(scope, user)
                 if scope["method"] not in SAFE_METHODS and (
                     signing_in or (user is not None and user.by_cookie)
