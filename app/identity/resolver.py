@@ -36,10 +36,12 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def bearer_of(authorization: str | None) -> str | None:
-    if not authorization:
+    """The token of `Authorization: Bearer <token>`; None for no header, another scheme
+    or an empty token."""
+    scheme, _, value = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
         return None
-    scheme, _, value = authorization.partition(" ")
-    return value.strip() or None if scheme.lower() == "bearer" else None
+    return value.strip() or None
 
 
 class Identity:
