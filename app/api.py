@@ -188,7 +188,8 @@ async def config(request: Request) -> Response:
             "chatModel": settings.llm.model,
             "smallModel": settings.llm.effective_small_model,
             "embeddingModel": settings.embeddings.model,
-            "authRequired": bool(settings.auth.api_keys),
+            "authRequired": request.app.state.identity.enabled,
+            "authMode": request.app.state.identity.mode,
             "demo": is_demo(settings.llm.base_url),
             "modelProblem": request.app.state.service.model_problem,
         }
@@ -246,28 +247,30 @@ async def cancel(request: Request) -> Response:
 async def usage(request: Request) -> Response:
     """`GET /api/usage?userId=&since=`: what the user's answers cost, per model and in
     all (tokens as the model counted them, or estimated where it did not)."""
+    return JSONResponse(await usage_json(request, _user(request)))
+
+
+async def usage_json(request: Request, user_id: str) -> dict[str, Any]:
+    """What `user_id`'s answers since `?since=` (Unix seconds) cost, as `/api/usage` says."""
     since_text = request.query_params.get("since", "0")
     try:
         since = float(since_text)
     except ValueError as exc:
         raise BadRequest("since must be Unix seconds") from exc
-    user_id = _user(request)
     rows = await _service(request).usage(user_id, since)
     total = {
         key: sum(row.to_json()[key] for row in rows)
         for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
     }
-    return JSONResponse(
-        {
-            "userId": user_id,
-            "since": since,
-            "models": [
-                {"model": r.model, "answers": r.answers, "estimated": r.estimated, **r.to_json()}
-                for r in rows
-            ],
-            "total": {"answers": sum(r.answers for r in rows), **total},
-        }
-    )
+    return {
+        "userId": user_id,
+        "since": since,
+        "models": [
+            {"model": r.model, "answers": r.answers, "estimated": r.estimated, **r.to_json()}
+            for r in rows
+        ],
+        "total": {"answers": sum(r.answers for r in rows), **total},
+    }
 
 
 async def healthz(request: Request) -> Response:

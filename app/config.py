@@ -41,7 +41,7 @@ class ServerSettings:
 @dataclass(frozen=True)
 class LLMSettings:
     base_url: str = "https://api.deepseek.com/v1"
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     model: str = "deepseek-reasoner"
     small_model: str = ""
     timeout_seconds: float = 600.0
@@ -56,7 +56,7 @@ class LLMSettings:
 @dataclass(frozen=True)
 class EmbeddingsSettings:
     base_url: str = ""
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     model: str = ""
 
 
@@ -84,7 +84,7 @@ class DdgsSettings:
 
 @dataclass(frozen=True)
 class TavilySettings:
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     base_url: str = "https://api.tavily.com"
 
 
@@ -95,7 +95,7 @@ class SearxngSettings:
 
 @dataclass(frozen=True)
 class GoogleSettings:
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     cse_id: str = ""
     base_url: str = "https://www.googleapis.com"
 
@@ -104,7 +104,7 @@ class GoogleSettings:
 class ReaderSettings:
     provider: str = "jina"
     base_url: str = "https://r.jina.ai"
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     timeout_seconds: float = 15.0
     allow_private_networks: bool = False
 
@@ -166,11 +166,57 @@ class LimitsSettings:
     max_history_messages: int = 200
     max_concurrent_generations: int = 16
     ws_messages_per_second: float = 20.0
+    #: tokens a user's answers may use per UTC day (0: no quota); an admin may set
+    #: another number per user
+    tokens_per_day: int = 0
+
+
+@dataclass(frozen=True)
+class OidcSettings:
+    """Sign-in with an OpenID Connect provider (`[auth.oidc]`, env `AUTH_OIDC_*`)."""
+
+    issuer: str = ""
+    client_id: str = ""
+    client_secret: str = field(default="", repr=False)
+    #: what the sign-in button says ("Sign in with <name>"); empty: the issuer's host
+    name: str = ""
+    scopes: tuple[str, ...] = ("openid", "email", "profile")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.issuer and self.client_id)
+
+
+@dataclass(frozen=True)
+class JwtSettings:
+    """Bearer JWTs from an app's own identity provider (`[auth.jwt]`, env `AUTH_JWT_*`):
+    keys from `issuer`'s discovery document or from `jwks_url`; or one HS256 `secret`."""
+
+    issuer: str = ""
+    jwks_url: str = ""
+    audience: str = ""
+    secret: str = field(default="", repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.issuer or self.jwks_url or self.secret)
+
+
+#: auth.mode: no auth, static keys (auth.api_keys), or accounts
+AUTH_MODES = ("off", "keys", "accounts")
+SIGNUP_RULES = ("open", "invite", "closed")
 
 
 @dataclass(frozen=True)
 class AuthSettings:
-    api_keys: Mapping[str, str] = field(default_factory=dict)
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: off | keys | accounts; "off" with api_keys set means "keys"
+    mode: str = "off"
+    #: who may make an account: open | invite (with an admin's invite code) | closed
+    signup: str = "open"
+    session_days: float = 30.0
+    oidc: OidcSettings = field(default_factory=OidcSettings)
+    jwt: JwtSettings = field(default_factory=JwtSettings)
 
 
 @dataclass(frozen=True)
@@ -195,10 +241,21 @@ class Settings:
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""
         changed = {
-            name: dataclasses.replace(getattr(self, name), **values)
-            for name, values in sections.items()
+            name: _replaced(getattr(self, name), values) for name, values in sections.items()
         }
         return dataclasses.replace(self, **changed)
+
+
+def _replaced(section: Any, values: Mapping[str, Any]) -> Any:
+    """A settings table with some keys changed; a nested table (`auth.oidc`) given as a
+    mapping changes only the keys it names."""
+    changes = {
+        key: _replaced(getattr(section, key), value)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(getattr(section, key))
+        else value
+        for key, value in values.items()
+    }
+    return dataclasses.replace(section, **changes)
 
 
 class SettingsError(ValueError):
@@ -226,26 +283,37 @@ def load(
 
     sections: dict[str, Any] = {}
     for name, cls in typing.get_type_hints(Settings).items():
-        raw = data.get(name, {})
-        if not isinstance(raw, dict):
-            raise SettingsError(f"[{name}] must be a table")
-        kinds = typing.get_type_hints(cls)
-        unknown = set(raw) - set(kinds)
-        if unknown:
-            raise SettingsError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
-        values: dict[str, Any] = {}
-        for key, kind in kinds.items():
-            env_name = f"{name}_{key}".upper()
-            if env_name in env:
-                values[key] = _from_env(env[env_name], kind, env_name)
-            elif key in raw:
-                values[key] = _coerce(raw[key], kind, f"{name}.{key}")
+        values = _section(cls, data.get(name, {}), name, env)
         if name == "server" and "PORT" in env:
             values["port"] = _from_env(env["PORT"], int, "PORT")
         if name == "server" and "WEB_CONCURRENCY" in env and "SERVER_WORKERS" not in env:
             values["workers"] = _from_env(env["WEB_CONCURRENCY"], int, "WEB_CONCURRENCY")
         sections[name] = cls(**values)
     return _derive(Settings(**sections), file.resolve().parent)
+
+
+def _section(cls: type[Any], raw: Any, name: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """The keys of one table (`name` is its dotted path, `auth.oidc`) given in the file
+    or the environment (`AUTH_OIDC_ISSUER`), by type; a key whose type is itself a
+    settings dataclass is a nested table, built the same way."""
+    if not isinstance(raw, dict):
+        raise SettingsError(f"[{name}] must be a table")
+    kinds = typing.get_type_hints(cls)
+    unknown = set(raw) - set(kinds)
+    if unknown:
+        raise SettingsError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        where = f"{name}.{key}"
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            values[key] = kind(**_section(kind, raw.get(key, {}), where, env))
+            continue
+        env_name = where.replace(".", "_").upper()
+        if env_name in env:
+            values[key] = _from_env(env[env_name], kind, env_name)
+        elif key in raw:
+            values[key] = _coerce(raw[key], kind, where)
+    return values
 
 
 def _derive(settings: Settings, folder: Path) -> Settings:
@@ -259,7 +327,26 @@ def _derive(settings: Settings, folder: Path) -> Settings:
             "api_key": emb.api_key or settings.llm.api_key,
         },
         store={"url": sqlite_beside(settings.store.url, folder)},
+        auth={"mode": auth_mode(settings.auth)},
     )
+
+
+def auth_mode(auth: AuthSettings) -> str:
+    """`auth.mode` as it applies: `keys` when only `auth.api_keys` is set. Raises
+    `SettingsError` for an unknown mode or sign-up rule, and for OIDC or bearer JWTs
+    without accounts (their users are accounts)."""
+    mode = auth.mode.strip().lower() or "off"
+    if mode not in AUTH_MODES:
+        raise SettingsError(f"auth.mode must be one of {', '.join(AUTH_MODES)}, not {mode!r}")
+    if auth.signup not in SIGNUP_RULES:
+        raise SettingsError(f"auth.signup must be one of {', '.join(SIGNUP_RULES)}")
+    if mode == "off" and auth.api_keys:
+        mode = "keys"
+    if mode != "accounts" and (auth.oidc.enabled or auth.jwt.enabled):
+        raise SettingsError('auth.oidc and auth.jwt need auth.mode = "accounts"')
+    if (auth.jwt.issuer or auth.jwt.jwks_url) and not auth.jwt.audience:
+        raise SettingsError("auth.jwt.issuer and auth.jwt.jwks_url need auth.jwt.audience")
+    return mode
 
 
 def sqlite_beside(url: str, folder: Path) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -19,12 +20,18 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from . import api, config, logs
-from .auth import Auth, RateLimiter
+from .auth import RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
-from .config import Settings
+from .config import Settings, auth_mode
 from .demo import DemoModel, is_demo
 from .files.service import FileService
+from .identity.accounts import Accounts
+from .identity.jwt import BearerJwt
+from .identity.oidc import OidcSignIn
+from .identity.quota import Quota
+from .identity.resolver import Identity
+from .identity.throttle import SignInThrottle
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
 from .llm import ChatModel, Embedder, LLMClient
@@ -34,7 +41,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import openai, perplexica, sse, ws
+from .transport import auth_routes, openai, perplexica, sse, ws
 from .transport.http import AuthMiddleware
 from .transport.streaming import SERVER_SEND
 
@@ -126,10 +133,10 @@ def create_app(
 ) -> Starlette:
     """The ASGI app. Backends not given are built from `settings` and opened on start."""
     metrics = Metrics()
-    auth = Auth(settings.auth.api_keys)
+    mode = auth_mode(settings.auth)
     # a wildcard origin with credentials-bearing clients would let any site use a key
     origins = list(settings.server.cors_origins)
-    if auth.enabled and origins == ["*"]:
+    if mode != "off" and origins == ["*"]:
         origins = []
 
     @contextlib.asynccontextmanager
@@ -152,8 +159,9 @@ def create_app(
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.streams = set()
-            app.state.auth = auth
+            app.state.identity = await open_identity(settings, service, redis, stack)
             app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
+            app.state.quota = Quota(service.store, settings.limits.tokens_per_day)
             shutdown = GracefulShutdown(
                 service,
                 app.state.sessions,
@@ -186,6 +194,20 @@ def create_app(
         Route("/api/uploads", api.list_uploads, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.delete_upload, methods=["DELETE"]),
+        # accounts (PROTOCOL §7)
+        Route("/api/auth/signup", auth_routes.signup, methods=["POST"]),
+        Route("/api/auth/login", auth_routes.login, methods=["POST"]),
+        Route("/api/auth/logout", auth_routes.logout, methods=["POST"]),
+        Route("/api/auth/me", auth_routes.me, methods=["GET"]),
+        Route("/api/auth/oidc/login", auth_routes.oidc_login, methods=["GET"]),
+        Route("/api/auth/oidc/callback", auth_routes.oidc_callback, methods=["GET"]),
+        Route("/api/keys", auth_routes.list_keys, methods=["GET"]),
+        Route("/api/keys", auth_routes.create_key, methods=["POST"]),
+        Route("/api/keys/{key_id}", auth_routes.revoke_key, methods=["DELETE"]),
+        Route("/api/admin/users", auth_routes.admin_users, methods=["GET"]),
+        Route("/api/admin/users/{user_id}", auth_routes.admin_change_user, methods=["PATCH"]),
+        Route("/api/admin/users/{user_id}/usage", auth_routes.admin_user_usage, methods=["GET"]),
+        Route("/api/admin/invites", auth_routes.admin_invite, methods=["POST"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
@@ -199,6 +221,7 @@ def create_app(
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/", api.web_client, methods=["GET"]),
+        Route("/signin", api.web_client, methods=["GET"]),
         Mount("/static", api.HtmlHeaders(StaticFiles(directory=WEB_DIR)), name="static"),
     ]
     middleware = [
@@ -206,12 +229,40 @@ def create_app(
         Middleware(
             CORSMiddleware,
             allow_origins=origins,
-            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
             allow_headers=["authorization", "content-type", "last-event-id"],
         ),
-        Middleware(AuthMiddleware, auth=auth),
+        Middleware(AuthMiddleware, mode=mode),
     ]
     return App(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+async def open_identity(
+    settings: Settings,
+    service: ChatService,
+    redis: aioredis.Redis | None,
+    stack: contextlib.AsyncExitStack,
+) -> Identity:
+    """Who is asking, per `auth.mode`: with accounts, the accounts service on the chat
+    service's store (and ids), sign-in throttling in Redis when there is one, and the
+    OIDC and JWT checks when configured (their HTTP client closed with `stack`)."""
+    if auth_mode(settings.auth) != "accounts":
+        return Identity(settings)
+    auth = settings.auth
+    accounts = Accounts(auth, store=service.store, ids=service.ids, throttle=SignInThrottle(redis))
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
+    stack.push_async_callback(http.aclose)
+    oidc = None
+    if auth.oidc.enabled:
+        key = (await service.store.secret("oidc-flow")).encode()
+        oidc = OidcSignIn(auth.oidc, http, key)
+    jwt = BearerJwt(auth.jwt, http) if auth.jwt.enabled else None
+    if not await service.store.has_admin():
+        log.warning(
+            "accounts are on and no admin exists yet: the first account signed up becomes"
+            " the admin, whatever auth.signup says"
+        )
+    return Identity(settings, accounts=accounts, jwt=jwt, oidc=oidc)
 
 
 class App(Starlette):
@@ -244,7 +295,8 @@ def announce(settings: Settings, service: ChatService) -> None:
                         strict=True,
                     )
                 ),
-                "auth": bool(settings.auth.api_keys),
+                "auth": auth_mode(settings.auth) != "off",
+                "authMode": auth_mode(settings.auth),
                 "workerNumber": service.ids.worker,
                 "pid": os.getpid(),
             }
@@ -263,7 +315,10 @@ def announce(settings: Settings, service: ChatService) -> None:
     problem = search_problem(settings)
     if problem:
         log.warning("web search will not work: %s; answers come without sources", problem)
-    if not settings.auth.api_keys and settings.server.host not in ("127.0.0.1", "localhost"):
+    if auth_mode(settings.auth) == "off" and settings.server.host not in (
+        "127.0.0.1",
+        "localhost",
+    ):
         log.warning(
             "auth is off on %s: anyone who reaches this port can ask (and spend the model "
             "key); turn auth on with AUTH_API_KEYS=<key>:<user id> (README, Security), or "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from .base import (
+    Account,
+    AccountChange,
+    ApiKey,
     Chat,
     Checkpoint,
     FileRecord,
@@ -34,6 +37,9 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
 
 
 __all__ = [
+    "Account",
+    "AccountChange",
+    "ApiKey",
     "Chat",
     "Checkpoint",
     "FileRecord",

@@ -21,7 +21,7 @@ from ..demo import is_demo
 from ..errors import BadRequest, Forbidden
 from ..events import Event, Handle
 from ..protocol import Encoder, Events, parse_chat_request, parse_messages
-from .http import count_request, json_errors, read_json, request_user
+from .http import count_request, current_user, json_errors, read_json, request_user
 from .streaming import StreamResponse
 
 #: what the settings page may change: preferences the browser keeps for itself
@@ -119,6 +119,9 @@ async def save_config(request: Request) -> Response:
     `config.toml`'s); a body that changes only what the browser keeps for itself
     (automatic image search, the model picked) is accepted and nothing is written."""
     settings: Settings = request.app.state.settings
+    user = current_user(request)
+    if request.app.state.identity.mode == "accounts" and (user is None or not user.is_admin):
+        raise Forbidden("only an admin may change the configuration")
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")

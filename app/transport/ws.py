@@ -32,7 +32,7 @@ from ..protocol import (
     render,
     render_start,
 )
-from .http import client_identity, count_request, request_user
+from .http import client_identity, count_request, request_user, set_user
 from .perplexica import picked_model
 from .streaming import SERVER_SEND
 
@@ -208,10 +208,30 @@ class Session:
             raise BadRequest(f"frame is larger than {limit} bytes")
         return loads(text)
 
+    async def still_signed_in(self) -> None:
+        """With accounts, a socket's credential is checked again for every frame that
+        acts (message, cancel, resume): a signed-out session, a revoked key, a disabled
+        account or an expired JWT ends the socket (an error frame, then 4401) on its
+        next frame, as it would end the next HTTP request."""
+        identity = self.websocket.app.state.identity
+        if identity.mode != "accounts":
+            return
+        try:
+            user = await identity.authenticate(self.websocket, token_param=True)
+        except AppError as exc:
+            if exc.status != 401:
+                raise
+            await self.writer.send_json(error_body(exc))
+            await self.websocket.close(4401)
+            raise WebSocketDisconnect(4401) from exc
+        set_user(self.websocket.scope, user)
+
     async def handle(self, body: Any) -> None:
         """One frame from the client; raises `AppError` for an error frame."""
         kind = body.get("type", "message") if isinstance(body, dict) else None
         service, websocket = self.service, self.websocket
+        if kind in ("message", "cancel", "resume"):
+            await self.still_signed_in()
         if kind == "message":
             request = parse_chat_request(
                 body,
@@ -264,14 +284,15 @@ class Session:
 
 async def endpoint(websocket: WebSocket) -> None:
     await websocket.accept()
-    auth = websocket.app.state.auth
+    identity = websocket.app.state.identity
     try:
-        websocket.scope["user_id"] = auth.authenticate(
-            websocket.headers.get("authorization"), websocket.query_params.get("token")
-        )
+        user = await identity.authenticate(websocket, token_param=True)
+        if user is not None and user.by_cookie:  # a socket opened by another site's page
+            identity.check_origin(websocket)
+        set_user(websocket.scope, user)
     except AppError as exc:
         await websocket.send_text(orjson.dumps(error_body(exc)).decode())
-        await websocket.close(4401)
+        await websocket.close({401: 4401, 403: 4403}.get(exc.status, 1013))
         return
     session = Session(websocket)
     sessions: set[Session] = websocket.app.state.sessions

@@ -5,6 +5,8 @@ const store = window.localStorage;
 
 export const auth = {
   key: store.getItem("apiKey") || "",
+  // with accounts the session cookie says who this is; a refusal shows the sign-in page
+  accounts: false,
   // with auth on the key decides the user: the page must not name one (PROTOCOL §7)
   required: Boolean(store.getItem("apiKey")),
   userId: store.getItem("userId") || randomId(),
@@ -205,10 +207,15 @@ export function explain(key, detail = "", retryAfter = 0) {
     case "LOST":
       return { text: "The server stopped while writing this answer, so it is incomplete." };
     case "UNAUTHORIZED":
+      if (auth.accounts) return { text: "You are signed out. Sign in again to go on.", action: "key" };
       return { text: "This server needs a valid API key.", action: "key" };
     case "FORBIDDEN":
+      if (auth.accounts) return { text: "You are not allowed to do this (the chat may belong to someone else)." };
       return { text: "Your API key is not allowed to do this (the chat may belong to someone else)." };
     case "RATE_LIMITED":
+      if (/daily token quota/i.test(detail)) {
+        return { text: "You have used today's share of answers on this server. It renews at midnight UTC." };
+      }
       return { text: `Too many questions in a short time. Try again${wait}.` };
     case "BUSY":
       return { text: "This chat is still answering another question. Wait for it to finish, then try again." };

@@ -1,7 +1,7 @@
 // One question and its answer on the page: steps, sources, reasoning, the answer as
 // sanitised Markdown with [N] citations, its status, actions, media and follow-ups.
 
-import { explain } from "./net.js";
+import { auth, explain } from "./net.js";
 
 /** What the page knows of the server (from /api/config). */
 export const site = { searchProvider: "" };
@@ -257,7 +257,7 @@ export class TurnView {
     line.className = "status failed";
     line.textContent = text;
     if (action === "key") {
-      const enter = button("enter-key", "Enter API key", null);
+      const enter = button("enter-key", auth.accounts ? "Sign in" : "Enter API key", null);
       enter.addEventListener("click", () => this.hooks.enterKey(this));
       line.append(" ", enter);
     }
