@@ -19,10 +19,11 @@ import sys
 import tempfile
 
 import uvicorn
+from uvicorn.supervisors import Multiprocess
 
 from . import config, logs
 from .main import create_app, tune_gc
-from .serving import uvicorn_options
+from .serving import uvicorn_config
 
 #: what `--demo` sets in the environment (the workers read it too); a search
 #: provider chosen already stays
@@ -75,13 +76,24 @@ def main(argv: list[str] | None = None) -> None:
             "(and fail after 5 s under load); use PostgreSQL (store.url) for more than one"
         )
     tune_gc()
-    options = uvicorn_options(settings)
     if server.workers > 1:
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="searchchat-metrics-")
-        uvicorn.run("app.main:app_factory", factory=True, workers=server.workers, **options)
-    else:
-        uvicorn.run(create_app(settings), **options)
+        workers = uvicorn_config(
+            "app.main:app_factory", settings, factory=True, workers=server.workers
+        )
+        try:
+            Multiprocess(workers, sockets=[workers.bind_socket()]).run()
+        except KeyboardInterrupt:  # a third signal: the workers are stopped already
+            pass
+        return
+    running = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    try:
+        running.run()
+    except KeyboardInterrupt:  # the last signal cut the drain short; it is logged
+        pass
+    if not running.started:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

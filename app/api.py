@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from .files.service import clean_name
 from .protocol import (
     FORMATS,
     OPTIMIZATION_MODES,
+    is_number,
     parse_control,
     parse_history,
     parse_id,
@@ -68,7 +70,7 @@ def _user(request: Request) -> str:
 @json_errors
 async def list_chats(request: Request) -> Response:
     limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+    if not is_number(limit, 4) or not 1 <= int(limit) <= 1000:
         raise BadRequest("limit must be a number from 1 to 1000")
     chats, files = await _service(request).list_chats(_user(request), int(limit))
     return JSONResponse({"chats": [chat_json(chat, files.get(chat.id, [])) for chat in chats]})
@@ -257,6 +259,8 @@ async def usage_json(request: Request, user_id: str) -> dict[str, Any]:
         since = float(since_text)
     except ValueError as exc:
         raise BadRequest("since must be Unix seconds") from exc
+    if not math.isfinite(since):
+        raise BadRequest("since must be Unix seconds")
     rows = await _service(request).usage(user_id, since)
     total = {
         key: sum(row.to_json()[key] for row in rows)
@@ -376,7 +380,7 @@ async def upload(request: Request) -> Response:
 async def read_form(request: Request, limit: int) -> FormData:
     """A multipart body of at most `limit` bytes (413 past it, read to its end first)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and is_number(declared) and int(declared) > limit:
         await read_json(request, limit)  # reads it to its end, then says 413
     size = 0
 

@@ -36,6 +36,12 @@ class ServerSettings:
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
     #: the most a request's headers may take, in bytes (larger: 431)
     max_header_bytes: int = 16384
+    #: a connection whose request line and headers have not all come in this long: 408
+    header_timeout_seconds: float = 10.0
+    #: a request body that stops arriving for this long: the connection is closed
+    body_timeout_seconds: float = 10.0
+    #: connections open at once from one client address (trusted proxies excepted)
+    max_connections_per_address: int = 256
 
 
 @dataclass(frozen=True)
@@ -130,14 +136,14 @@ class UploadSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    url: str = "sqlite:///data/chat.db"
+    url: str = field(default="sqlite:///data/chat.db", repr=False)  # it may hold a password
     pool_size: int = 10  # Postgres connections per worker, at most
     statement_cache_size: int = 100  # 0 behind PgBouncer in transaction mode
 
 
 @dataclass(frozen=True)
 class RedisSettings:
-    url: str = ""
+    url: str = field(default="", repr=False)  # it may hold a password
     #: the longest one call may take (connecting, or an answer): a Redis that stops
     #: answering fails like one that refuses
     timeout_seconds: float = 2.0
@@ -155,6 +161,8 @@ class StreamSettings:
     #: with Redis: how long new events wait to share one journal write (group commit);
     #: an event reaches readers once that write is acknowledged
     commit_linger_ms: float = 5.0
+    #: how long a browser's EventSource waits before it reconnects (SSE `retry:`)
+    retry_ms: int = 2000
     client_timeout_seconds: float = 30.0
 
 
@@ -165,6 +173,8 @@ class LimitsSettings:
     requests_per_minute: int = 0
     max_history_messages: int = 200
     max_concurrent_generations: int = 16
+    #: answers one process runs at once, whoever asks (503 with Retry-After past it)
+    max_generations_per_process: int = 500
     ws_messages_per_second: float = 20.0
     #: tokens a user's answers may use per UTC day (0: no quota); an admin may set
     #: another number per user

@@ -486,7 +486,9 @@ def _status_message(what: str, status: int) -> str:
 
 
 #: what looks like a key or a token in a model's error text
-_SECRET = re.compile(r"(sk-|key-|Bearer\s+)?[A-Za-z0-9_\-]{20,}|\*{3,}[A-Za-z0-9]{2,8}")
+_SECRET = re.compile(
+    r"sk-[^\s,;'\"]*|(key-|Bearer\s+)?[A-Za-z0-9_\-]{20,}|[A-Za-z0-9]{0,8}\*{3,}[A-Za-z0-9]{0,8}"
+)
 
 
 def redact(text: str) -> str:

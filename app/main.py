@@ -8,16 +8,18 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import api, config, logs
 from .auth import RateLimiter
@@ -25,6 +27,7 @@ from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .config import Settings, auth_mode
 from .demo import DemoModel, is_demo
+from .errors import AppError
 from .files.service import FileService
 from .identity.accounts import Accounts
 from .identity.jwt import BearerJwt
@@ -42,7 +45,7 @@ from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
 from .transport import auth_routes, openai, perplexica, sse, ws
-from .transport.http import AuthMiddleware
+from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
 if TYPE_CHECKING:
@@ -234,7 +237,21 @@ def create_app(
         ),
         Middleware(AuthMiddleware, mode=mode),
     ]
-    return App(routes=routes, middleware=middleware, lifespan=lifespan)
+    return App(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={Exception: internal_error},
+    )
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in any route still answers in its protocol's shape (500 `INTERNAL`; OpenAI's
+    under /v1/), never a plain-text page; the traceback goes to the log."""
+    error = AppError("internal error")
+    if request.url.path.startswith("/v1/"):
+        return openai_error(error)
+    return error_response(error)
 
 
 async def open_identity(
@@ -268,11 +285,43 @@ async def open_identity(
 class App(Starlette):
     """Starlette that keeps the server's own `send` in the scope (`SERVER_SEND`):
     a streamed response sends its start through the middleware, and its body
-    chunks, which no middleware here looks at, straight to the server."""
+    chunks, which no middleware here looks at, straight to the server.
+
+    So a middleware that looks at bodies (compression, tracing that records them)
+    would see a stream's start and end but not its chunks — with gzip, say,
+    `content-encoding: gzip` over plain text: a corrupt stream. Building the app's
+    middleware refuses any middleware but those known to look only at a response's
+    start (`STREAM_SAFE`, or a class with `stream_safe = True`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            # a bug: the 500 in the route's own shape has gone out (`internal_error`);
+            # logged here, once, and the connection kept (the server would close it)
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+
+    def build_middleware_stack(self) -> ASGIApp:
+        for entry in self.user_middleware:
+            cls: Any = entry.cls
+            if cls not in STREAM_SAFE and not getattr(cls, "stream_safe", False):
+                name = getattr(cls, "__name__", repr(cls))
+                raise RuntimeError(
+                    f"middleware {name} is not known to leave response bodies alone: this "
+                    "server writes streamed chunks past middleware, so it would see a "
+                    "stream's start but not its body (gzip would corrupt it). Compress or "
+                    "trace in a proxy in front, or mark a middleware that only looks at a "
+                    "response's start with `stream_safe = True`."
+                )
+        return super().build_middleware_stack()
+
+
+#: middleware that look only at a response's start (and the request), never its body
+STREAM_SAFE: frozenset[type] = frozenset({AccessLog, CORSMiddleware, AuthMiddleware})
 
 
 def announce(settings: Settings, service: ChatService) -> None:

@@ -241,9 +241,18 @@ def parse_event_id(value: str | None) -> tuple[str | None, int]:
     if not value:
         return None, 0
     answer_id, sep, seq = value.partition(":")
-    if not sep or not seq.isdigit():
+    if not sep or not is_number(seq, 12):
         raise BadRequest("Last-Event-ID must look like '<messageId>:<seq>'")
     return parse_id(answer_id, "Last-Event-ID messageId"), int(seq)
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def is_number(text: str, max_digits: int = 18) -> bool:
+    """Whether `text` is a whole number in ASCII digits (`str.isdigit` takes "²" and
+    other digits `int()` refuses), of at most `max_digits` digits."""
+    return len(text) <= max_digits and _DIGITS.fullmatch(text) is not None
 
 
 # -- events ---------------------------------------------------------------------

@@ -181,6 +181,7 @@ async def test_model_requests_are_not_logged_one_line_each(settings, fake_model,
     from app import logs
 
     logs.configure()
+    logging.getLogger().addHandler(caplog.handler)  # configure() set the root's handlers
     try:
         with caplog.at_level(logging.DEBUG):
             with serve(create_app(settings)) as running:
@@ -190,6 +191,7 @@ async def test_model_requests_are_not_logged_one_line_each(settings, fake_model,
                     await sse_chat(http, chat_body("hello there, a question of some length"))
     finally:
         logging.getLogger().handlers[:] = []
+    assert any(r.name == "app.generation" for r in caplog.records)  # it does capture
     chatty = [
         r
         for r in caplog.records

@@ -119,6 +119,12 @@ class ChatService:
         """
         if not self.accepting:
             raise Unavailable("the server is restarting; try again", retry_after=1)
+        cap = self.settings.limits.max_generations_per_process
+        if cap and len(self._generations) >= cap:
+            raise Unavailable(
+                f"this server is answering {cap} questions already; try again shortly",
+                retry_after=2,
+            )
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         chat_id = request.chat_id or self.ids.next_str()
@@ -248,6 +254,14 @@ class ChatService:
         self.metrics.resumes.inc()
         return handle, seq
 
+    async def ended_by(self, handle: Handle, seq: int) -> bool:
+        """Whether the generation has ended at or before event `seq` (a resume from
+        there would get nothing)."""
+        if self.hub.local.runs(handle.answer_id):
+            return False
+        logged = await self.hub.logged(handle.answer_id)
+        return bool(logged) and logged[-1].terminal and seq >= logged[-1].seq
+
     async def cancel(self, chat_id: str, user_id: str) -> Handle:
         """Stop the generation running for `chat_id`, wherever it runs."""
         handle = await self.hub.lookup(chat_id)
@@ -332,7 +346,9 @@ class ChatService:
     ) -> StoredMessage:
         """A question with its saved sources, for its owner or for a signed link
         (`sig`, see `sign`). NotFound / Forbidden."""
-        if sig is not None and not hmac.compare_digest(sig, self.sign(question_id)):
+        if sig is not None and not hmac.compare_digest(
+            sig.encode(), self.sign(question_id).encode()
+        ):
             raise Forbidden("this sources link is not valid")
         message = await self.store.get_message(question_id)
         if message is None or message.role != "user":

@@ -93,7 +93,8 @@ class OidcSignIn:
         flow = _unsign(self._key, cookie)
         if params.get("error"):
             raise Unauthorized(f"the identity provider did not sign you in ({params['error']})")
-        if not hmac.compare_digest(str(params.get("state", "")), str(flow["state"])):
+        given = str(params.get("state", "")).encode()
+        if not hmac.compare_digest(given, str(flow["state"]).encode()):
             raise Unauthorized("the sign-in's state does not match: start the sign-in again")
         code = params.get("code")
         if not code:
@@ -178,7 +179,7 @@ def _unsign(key: bytes, cookie: str | None) -> dict[str, Any]:
     again = Unauthorized("the sign-in took too long or was started elsewhere: start it again")
     body, _, mac = (cookie or "").partition(".")
     expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-    if not body or not hmac.compare_digest(mac, expected):
+    if not body or not hmac.compare_digest(mac.encode(), expected.encode()):
         raise again
     try:
         flow = orjson.loads(_b64decode(body))

@@ -285,7 +285,8 @@ class WebSearch:
             async with asyncio.timeout(timeout):
                 return await self.reader.read(url)
         except (SearchError, TimeoutError) as exc:
-            log.info("reading %s failed: %s", url, getattr(exc, "message", exc) or "timeout")
+            what = getattr(exc, "message", None) or "timeout"
+            log.info("reading a page of %s failed: %s", urlsplit(url).hostname, what)
             return ""
 
 

@@ -17,7 +17,7 @@ from ..auth import Auth
 from ..errors import AppError, BadRequest, Unauthorized
 from ..identity import User
 from ..identity.resolver import SAFE_METHODS, Identity
-from ..protocol import ChatRequest, error_body, loads, parse_id
+from ..protocol import ChatRequest, error_body, is_number, loads, parse_id
 
 log = logging.getLogger("app.http")
 
@@ -90,7 +90,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     client still sends makes the kernel reset the connection, and many clients
     then report a broken connection instead of the 413."""
     declared = request.headers.get("content-length")
-    too_large = declared is not None and declared.isdigit() and int(declared) > max_bytes
+    too_large = declared is not None and is_number(declared) and int(declared) > max_bytes
     chunks, size = [], 0
     try:
         async with asyncio.timeout(DRAIN_SECONDS if too_large else None):
@@ -162,6 +162,12 @@ async def count_request(request: HTTPConnection) -> None:
     user = current_user(request)
     if user is not None:
         await request.app.state.quota.check(user)
+
+
+async def count_resume(request: HTTPConnection) -> None:
+    """One resume: counted by the same limit as the requests that start model work
+    (each resume is one more relay of every event of an answer)."""
+    await request.app.state.limiter.hit(rate_key(request))
 
 
 class AuthMiddleware:

@@ -101,9 +101,14 @@ async def _chat_completions(request: Request) -> Response:
 
 
 def _user(request: Request, claimed: str | None) -> str:
+    """Whom a completion is for. OpenAI's `user` is a free end-user label its clients
+    are encouraged to send: with auth on the key decides (the label is not a claim),
+    with auth off a label that is an id names the user, as `userId` does."""
+    if request.scope.get("user_id") is not None:
+        return client_identity(request, None)
     try:
         return client_identity(request, claimed)
-    except BadRequest:  # OpenAI's `user` is free text; with auth off it is just a label
+    except BadRequest:
         return client_identity(request, None)
 
 

@@ -104,9 +104,15 @@ class FakeModel:
     def _authorised(self, request: Request) -> bool:
         return request.headers.get("authorization") == f"Bearer {self.api_key}"
 
+    def _refused(self, request: Request) -> Response:
+        """401 as OpenAI answers it: the key it refused, partly starred out."""
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        shown = f"{key[:7]}{'*' * max(len(key) - 11, 3)}{key[-4:]}" if key else "(none)"
+        return _error(401, f"Incorrect API key provided: {shown}. You can find your key online.")
+
     async def completions(self, request: Request) -> Response:
         if not self._authorised(request):
-            return _error(401, "invalid api key")
+            return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
         prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
@@ -206,7 +212,7 @@ class FakeModel:
 
     async def embeddings(self, request: Request) -> Response:
         if not self._authorised(request):
-            return _error(401, "invalid api key")
+            return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
