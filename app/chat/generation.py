@@ -28,10 +28,10 @@ from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest
 from ..search.base import SearchResult
-from ..search.web import WebSearch, context_of, source_entries
+from ..search.web import WebSearch, context_chars, context_of, source_entries
 from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
-from .history import make_title, rewrite, stored_history
+from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, steps_of
 from .modes import MODES, PLAIN_PROMPT, SourceJob
 from .research import DeepResearch
@@ -40,6 +40,7 @@ log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
+IMAGES = 6  # images found for an answer that asks for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class Generation:
         self.rewritten: str | None = None
         self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
+        self.extras: dict[str, Any] = {}  # what `messageEnd` adds: images, related questions
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
@@ -167,7 +169,35 @@ class Generation:
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
-        system = await self._system_prompt(self.rewritten or req.content)
+        question = self.rewritten or req.content
+        images = asyncio.ensure_future(svc.search.images(question, IMAGES)) if req.images else None
+        try:
+            await self._answer(question, history)
+        except BaseException:
+            if images is not None:
+                images.cancel()
+            raise
+        if images is not None:
+            self.extras["images"] = [
+                {"image_url": i.img_src, "origin_url": i.url, "title": i.title}
+                for i in await images
+            ]
+        if req.related:
+            self.extras["relatedQuestions"] = await self._related(history)
+
+    async def _related(self, history: list[tuple[str, str]]) -> list[str]:
+        """Follow-up questions to the answer; none when the model cannot say."""
+        svc, req = self.services, self.request
+        turns = [*history, ("user", req.content), ("assistant", "".join(self.content))]
+        try:
+            return await suggest(svc.llm, svc.prompts, turns)
+        except AppError as exc:
+            log.info("related questions not made: %s", exc.message)
+            return []
+
+    async def _answer(self, question: str, history: list[tuple[str, str]]) -> None:
+        svc, req = self.services, self.request
+        system = await self._system_prompt(question)
         messages: list[Message] = [{"role": "system", "content": system}]
         messages.extend({"role": role, "content": text} for role, text in history)
         messages.append({"role": "user", "content": req.content})
@@ -224,7 +254,8 @@ class Generation:
             return svc.prompts.render(PLAIN_PROMPT, date=date)
         await self._send_sources(results)
         prompt = mode.prompt if web else "files_response"
-        return svc.prompts.render(prompt, date=date, context=context_of(results))
+        context = context_of(results, context_chars(req.search))
+        return svc.prompts.render(prompt, date=date, context=context)
 
     async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
         svc = self.services
@@ -274,6 +305,7 @@ class Generation:
                 status=status,
                 questionMessageId=h.question_id,
                 **({"usage": usage.to_json()} if usage else {}),
+                **self.extras,
             )
         try:
             await svc.keeper.save(h.answer_id, saved)

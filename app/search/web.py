@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -29,7 +30,14 @@ from ..config import Settings
 from ..errors import AppError, SearchError
 from ..llm import ChatModel, Embedder
 from ..prompts import Prompts
-from .base import MediaResult, NewsItem, SearchProvider, SearchResult, SearchScope
+from .base import (
+    MediaResult,
+    NewsItem,
+    SearchFilters,
+    SearchProvider,
+    SearchResult,
+    SearchScope,
+)
 from .ddgs import DdgsSearch
 from .demo import DemoSearch
 from .google import GoogleSearch
@@ -48,6 +56,38 @@ SNIPPET_CHARS = 500
 CONTEXT_CHARS_PER_SOURCE = 6000
 PROBE_SECONDS = 5.0
 PROVIDER_LABELS = {"tavily": "Tavily", "searxng": "SearxNG", "google": "Google", "ddgs": "keyless"}
+#: `search.contextSize` → (share of `search.max_results` searched, characters of each
+#: source the model is given)
+CONTEXT_SHARES = {
+    "low": (0.5, 2000),
+    "medium": (1.0, CONTEXT_CHARS_PER_SOURCE),
+    "high": (1.5, 12000),
+}
+
+
+def context_chars(filters: SearchFilters | None) -> int:
+    """How much of each source the model is given, by `contextSize`."""
+    return CONTEXT_SHARES[(filters and filters.context_size) or "medium"][1]
+
+
+def kept(
+    results: list[SearchResult], filters: SearchFilters, honoured: frozenset[str]
+) -> tuple[list[SearchResult], list[str]]:
+    """The results that pass the filters, and what could not be checked: the domains
+    always (a provider's own filter is not trusted to be exact), the dates of those
+    results that have one. A result without a date passes a date filter that the
+    provider did not apply itself, and that is said."""
+    passed = [r for r in results if filters.allows_domain(r.url)]
+    unchecked = []
+    if filters.dated:
+        dated = [r for r in passed if filters.allows_date(r.date) is not False]
+        undated = sum(1 for r in dated if not r.date)
+        needs = "recency" if filters.recency and not (filters.after or filters.before) else "dates"
+        exact = needs in honoured and filters.recency != "hour"
+        if undated and not exact:
+            unchecked.append(f"{undated} result{'s' if undated != 1 else ''} without a date")
+        passed = dated
+    return passed, unchecked
 
 
 class Progress(Protocol):
@@ -217,30 +257,58 @@ class WebSearch:
         mode: str,
         picks: int = QUALITY_PICKS,
         scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        """Search (within `scope`), rank and read for `question`; [] when there is
-        nothing to ground on (a `progress` event has said why). `picks` bounds what
-        `quality` reads.
+        """Search (within `scope`, kept to `filters`), rank and read for `question`; []
+        when there is nothing to ground on (a `progress` event has said why). `picks`
+        bounds what `quality` reads. The search is a `progress` step of kind `search`
+        (its query and provider; then how many results, or that it failed).
 
         Cancelling is safe: in-flight requests are closed.
         """
         where = f" ({scope.name})" if scope else ""
-        out.emit("progress", data=f"searching the web{where}: {question}")
+        step = {
+            "id": f"search-{uuid.uuid4().hex[:12]}",
+            "kind": "search",
+            "query": question,
+            "provider": self.provider.name,
+        }
+        out.emit(
+            "progress",
+            data=f"searching the web{where}: {question}",
+            step={**step, "status": "running"},
+        )
         budget = self.settings.search.timeout_seconds
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
+        share = CONTEXT_SHARES[(filters and filters.context_size) or "medium"][0]
+        limit = max(1, round(self.settings.search.max_results * share))
         try:
             async with asyncio.timeout(budget):
-                results = await self.provider.search(
-                    question, self.settings.search.max_results, scope
-                )
+                results = await self.provider.search(question, limit, scope, filters)
         except TimeoutError:
-            out.emit("progress", data="web search timed out")
+            out.emit("progress", data="web search timed out", step={**step, "status": "failed"})
             return []
         except SearchError as exc:
             log.warning("search failed: %s", exc.message)
-            out.emit("progress", data=f"web search failed ({exc.message})")
+            out.emit(
+                "progress",
+                data=f"web search failed ({exc.message})",
+                step={**step, "status": "failed"},
+            )
             return []
+        if filters is not None:
+            results, unchecked = kept(results, filters, self.provider.honours)
+            for what in unchecked:
+                out.emit(
+                    "progress",
+                    data=f"{self.provider.name} cannot filter by date: {what} kept",
+                )
+        out.emit(
+            "progress",
+            data=f"found {len(results)} result{'s' if len(results) != 1 else ''}",
+            step={**step, "status": "done", "results": len(results)},
+        )
         if not results:
             out.emit("progress", data="web search found nothing")
             return []
@@ -314,6 +382,10 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
     entries: list[dict[str, object]] = []
     for r in results:
         metadata: dict[str, object] = {"title": r.title, "url": r.url}
+        if r.date:
+            metadata["date"] = r.date
+        if r.last_updated:
+            metadata["lastUpdated"] = r.last_updated
         if r.file_id:
             metadata["fileId"] = r.file_id
             if r.page:
@@ -323,12 +395,11 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
     return entries
 
 
-def context_of(results: list[SearchResult]) -> str:
+def context_of(results: list[SearchResult], chars: int = CONTEXT_CHARS_PER_SOURCE) -> str:
     """'source N <url> <content>' per source, as the original built it (a file
-    passage names its file and page instead of a URL)."""
+    passage names its file and page instead of a URL), `chars` of each."""
     return "\n".join(
-        f"source {i} {cited(r)} {r.text[:CONTEXT_CHARS_PER_SOURCE]}"
-        for i, r in enumerate(results, start=1)
+        f"source {i} {cited(r)} {r.text[:chars]}" for i, r in enumerate(results, start=1)
     )
 
 
