@@ -38,6 +38,7 @@ def test_a_whole_response_with_searches_reasoning_citations_and_usage(
             input=RELEVANT_QUESTION,
             instructions="Answer briefly.",
             metadata={"ticket": "42"},
+            include=["web_search_call.action.sources"],
         )
     assert response.object == "response" and response.status == "completed"
     assert response.id.startswith("resp_") and response.model == "webSearch"
@@ -45,6 +46,7 @@ def test_a_whole_response_with_searches_reasoning_citations_and_usage(
     assert [item.type for item in response.output] == ["web_search_call", "reasoning", "message"]
     search, reasoning, message = response.output
     assert search.status == "completed" and search.action.query == RELEVANT_QUESTION
+    assert len(search.action.sources) == 8
     assert reasoning.summary[0].text == "why0 why1 "
     assert response.output_text == ANSWER
     text = message.content[0]

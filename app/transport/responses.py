@@ -48,6 +48,8 @@ from .streaming import StreamResponse
 
 #: a `[N]` citation marker in an answer
 MARKER = re.compile(r"\[(\d{1,3})\]")
+#: what `include` may ask for that a response has
+SEARCH_SOURCES = "web_search_call.action.sources"
 #: how long a cancel waits for the response to end before it answers
 CANCEL_WAIT_SECONDS = 10.0
 
@@ -64,6 +66,7 @@ class ResponseRequest:
     background: bool = False
     user: str | None = None
     created_at: int = 0
+    include: tuple[str, ...] = ()
 
 
 def response_id(answer_id: str) -> str:
@@ -81,8 +84,7 @@ def answer_of(rid: str) -> str:
 
 
 def _missing(rid: str) -> NotFound:
-    error = NotFound(f"no response with id {rid!r}")
-    return error
+    return NotFound(f"no response with id {rid!r}")
 
 
 def citations_in(text: str, sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,7 +146,7 @@ class ResponseState:
             "instructions": asked.instructions,
             "metadata": asked.metadata,
             "model": asked.model,
-            "output": [dict(item) for item in self.output],
+            "output": [self._shown(item) for item in self.output],
             "parallel_tool_calls": False,
             "previous_response_id": asked.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
@@ -162,6 +164,14 @@ class ResponseState:
             body.update(perplexity_sources(self.sources))
         body.update(self.extra)
         return body
+
+    def _shown(self, item: dict[str, Any]) -> dict[str, Any]:
+        """An output item as the response shows it: a search's sources when `include`
+        asks for `web_search_call.action.sources`."""
+        if item["type"] != "web_search_call" or SEARCH_SOURCES not in self.asked.include:
+            return dict(item)
+        urls = [{"type": "url", "url": s.get("metadata", {}).get("url", "")} for s in self.sources]
+        return {**item, "action": {**item["action"], "sources": urls}}
 
     # -- events ---------------------------------------------------------------------------
 
@@ -463,6 +473,7 @@ def parse_response_request(body: Any, settings: Settings) -> tuple[ChatRequest, 
         background=flags["background"],
         user=user,
         created_at=int(time.time()),
+        include=tuple(include),
     )
     return request, asked
 
