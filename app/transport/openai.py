@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -90,18 +90,31 @@ async def chat_completions(request: Request) -> Response:
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     if stream:
         encoder = OpenAIEncoder(model, handle, include_usage=bool(options.get("include_usage")))
-        chunks: AsyncIterator[bytes] = service.relay(handle, encoder)
-        return StreamResponse(
-            chunks,
-            media_type="text/event-stream; charset=utf-8",
-            ping=b": keep-alive\n\n",
-            ping_interval=settings.server.keepalive_seconds,
-            send_timeout=settings.stream.client_timeout_seconds,
-            on_disconnect=lambda: service.stop_here(handle),
-            connections=request.app.state.metrics.connections_active.labels("openai"),
-            group=request.app.state.streams,
+        return event_stream(
+            request, service.relay(handle, encoder), "openai", lambda: service.stop_here(handle)
         )
     return await _whole(request, service, handle, model)
+
+
+def event_stream(
+    request: Request,
+    chunks: AsyncIterator[bytes],
+    label: str,
+    on_disconnect: Callable[[], None] | None,
+) -> Response:
+    """A `/v1` event stream: `chunks` as they come, `: keep-alive` while idle, a stuck
+    client let go, `on_disconnect` called when the client goes away."""
+    settings: Settings = request.app.state.settings
+    return StreamResponse(
+        chunks,
+        media_type="text/event-stream; charset=utf-8",
+        ping=b": keep-alive\n\n",
+        ping_interval=settings.server.keepalive_seconds,
+        send_timeout=settings.stream.client_timeout_seconds,
+        on_disconnect=on_disconnect,
+        connections=request.app.state.metrics.connections_active.labels(label),
+        group=request.app.state.streams,
+    )
 
 
 def api_user(request: Request, claimed: str | None) -> str:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,13 +38,13 @@ from .http import count_request, openai_errors, rate_key, read_json
 from .openai import (
     api_user,
     conversation,
+    event_stream,
     parse_model,
     perplexity_sources,
     real_sources,
     searched,
     while_connected,
 )
-from .streaming import StreamResponse
 
 #: a `[N]` citation marker in an answer
 MARKER = re.compile(r"\[(\d{1,3})\]")
@@ -540,18 +540,9 @@ def _stream(
     stop_on_disconnect: bool,
     after: int = -1,
 ) -> Response:
-    settings: Settings = request.app.state.settings
-    chunks: AsyncIterator[bytes] = service.relay(handle, ResponsesEncoder(state, after))
-    return StreamResponse(
-        chunks,
-        media_type="text/event-stream; charset=utf-8",
-        ping=b": keep-alive\n\n",
-        ping_interval=settings.server.keepalive_seconds,
-        send_timeout=settings.stream.client_timeout_seconds,
-        on_disconnect=(lambda: service.stop_here(handle)) if stop_on_disconnect else None,
-        connections=request.app.state.metrics.connections_active.labels("responses"),
-        group=request.app.state.streams,
-    )
+    chunks = service.relay(handle, ResponsesEncoder(state, after))
+    stop = (lambda: service.stop_here(handle)) if stop_on_disconnect else None
+    return event_stream(request, chunks, "responses", stop)
 
 
 async def _feed(service: ChatService, handle: Handle, state: ResponseState) -> ResponseState:
