@@ -200,3 +200,10 @@ def test_the_native_request_takes_the_same_controls(settings, fake_model, fake_s
     (_, asked), *_ = fake_search.requests
     assert asked["exclude_domains"] == ["pinterest.com"] and asked["time_range"] == "day"
     assert "pinterest.com/pin" not in text
+
+
+async def test_deep_research_keeps_its_searches_to_the_filters(client, fake_model, fake_search):
+    body = chat_body(RELEVANT_QUESTION, focusMode="deepResearch", search={"recency": "year"})
+    await sse_chat(client, body)
+    assert fake_search.requests
+    assert all(asked["time_range"] == "year" for _, asked in fake_search.requests)

@@ -80,7 +80,7 @@ class ResearchSources(Sources):
     reads_files = True
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.research.find_sources(job.out, job.question, job.files)
+        return await job.research.find_sources(job.out, job.question, job.files, job.request.search)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from ..errors import AppError
 from ..files.service import FileService
 from ..llm import ChatModel
 from ..prompts import Prompts, answer_lines
-from ..search.base import SearchResult
+from ..search.base import SearchFilters, SearchResult
 from ..search.web import Progress, WebSearch, until_deadline
 from ..store import FileRecord
 
@@ -63,10 +63,14 @@ class DeepResearch:
         self.prompts = prompts
 
     async def find_sources(
-        self, out: Progress, question: str, files: Sequence[FileRecord] = ()
+        self,
+        out: Progress,
+        question: str,
+        files: Sequence[FileRecord] = (),
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        """The sources of every iteration, deduplicated — web results and, with `files`,
-        their passages for each sub-question too."""
+        """The sources of every iteration, deduplicated — web results (kept to
+        `filters`) and, with `files`, their passages for each sub-question too."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.time_budget_seconds
         found: dict[str, SearchResult] = {}
@@ -82,7 +86,7 @@ class DeepResearch:
                 data=f"iteration {iteration}: searching {len(pending)} sub-question{'s' if len(pending) != 1 else ''}",
             )
             searched.extend(pending)
-            new = await self._search_all(out, iteration, pending, deadline, files)
+            new = await self._search_all(out, iteration, pending, deadline, files, filters)
             for result in new:
                 found.setdefault(_key(result), result)
             out.emit("progress", data=f"iteration {iteration}: {len(found)} sources so far")
@@ -120,12 +124,15 @@ class DeepResearch:
         questions: list[str],
         deadline: float,
         files: Sequence[FileRecord],
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
         """Every sub-question at once, on the web and in the files; what has not
         finished by the deadline is dropped."""
         prefixed = _Prefixed(out, f"iteration {iteration}: ")
         searches = [
-            self.search.find_sources(prefixed, q, "quality", self.settings.pages_per_question)
+            self.search.find_sources(
+                prefixed, q, "quality", self.settings.pages_per_question, filters=filters
+            )
             for q in questions
         ]
         if files:
