@@ -354,6 +354,8 @@ def render_simple(event: Event) -> dict[str, Any] | None:
             content = data.get("content", "")
         else:
             content = data.get("data", "")
+            if "step" in data:
+                meta["step"] = data["step"]
     elif kind == "answer":
         content = data.get("data", "")
     elif kind == "complete":

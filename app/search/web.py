@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -181,6 +181,7 @@ class WebSearch:
         self.embedder = embedder
         self.prompts = prompts
         self._discovered: tuple[float, list[NewsItem] | None] = (0.0, None)
+        self._steps = itertools.count(1)  # the ids of search steps, unique in the process
         self._discovering = asyncio.Lock()
 
     async def aclose(self) -> None:
@@ -268,7 +269,7 @@ class WebSearch:
         """
         where = f" ({scope.name})" if scope else ""
         step = {
-            "id": f"search-{uuid.uuid4().hex[:12]}",
+            "id": f"search-{next(self._steps)}",
             "kind": "search",
             "query": question,
             "provider": self.provider.name,
