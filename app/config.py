@@ -129,6 +129,36 @@ class UploadSettings:
 
 
 @dataclass(frozen=True)
+class RerankSettings:
+    """An optional reranker of collection passages: a Jina/Cohere-style `POST {url}`
+    with `{"model", "query", "documents", "top_n"}` answering `{"results": [{"index",
+    "relevance_score"}]}` (`/rerank` of an OpenAI-compatible server too). Empty: off."""
+
+    url: str = ""
+    model: str = ""
+    api_key: str = ""
+    timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class CollectionSettings:
+    """Knowledge collections (PROTOCOL §12). `url` names the engine:
+    `tantivy:///data/collections` (embedded, the default; a relative path is beside the
+    config file), `milvus:///data/collections.db` (Milvus Lite in a file) or
+    `milvus://host:19530` (a Milvus server or cluster)."""
+
+    url: str = "tantivy:///data/collections"
+    max_documents: int = 10_000  # per collection
+    max_import_bytes: int = 500 * 1024 * 1024  # one request's files together (a zip unpacked)
+    max_import_files: int = 1000  # files in one request (the entries of a zip included)
+    passages: int = 8  # passages given to the model per question
+    candidates: int = 50  # taken from each ranking before fusion
+    rrf_k: int = 60
+    import_concurrency: int = 2  # documents of one process read and indexed at once
+    rerank: RerankSettings = field(default_factory=RerankSettings)
+
+
+@dataclass(frozen=True)
 class StoreSettings:
     url: str = "sqlite:///data/chat.db"
     pool_size: int = 10  # Postgres connections per worker, at most
@@ -178,6 +208,7 @@ class Settings:
     research: ResearchSettings = field(default_factory=ResearchSettings)
     uploads: UploadSettings = field(default_factory=UploadSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    collections: CollectionSettings = field(default_factory=CollectionSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     stream: StreamSettings = field(default_factory=StreamSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
@@ -220,23 +251,38 @@ def load(
         raw = data.get(name, {})
         if not isinstance(raw, dict):
             raise SettingsError(f"[{name}] must be a table")
-        kinds = typing.get_type_hints(cls)
-        unknown = set(raw) - set(kinds)
-        if unknown:
-            raise SettingsError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
-        values: dict[str, Any] = {}
-        for key, kind in kinds.items():
-            env_name = f"{name}_{key}".upper()
-            if env_name in env:
-                values[key] = _from_env(env[env_name], kind, env_name)
-            elif key in raw:
-                values[key] = _coerce(raw[key], kind, f"{name}.{key}")
+        values = _section(cls, raw, env, name)
         if name == "server" and "PORT" in env:
             values["port"] = _from_env(env["PORT"], int, "PORT")
         if name == "server" and "WEB_CONCURRENCY" in env and "SERVER_WORKERS" not in env:
             values["workers"] = _from_env(env["WEB_CONCURRENCY"], int, "WEB_CONCURRENCY")
         sections[name] = cls(**values)
     return _derive(Settings(**sections), file.resolve().parent)
+
+
+def _section(cls: Any, raw: dict[str, Any], env: Mapping[str, str], where: str) -> dict[str, Any]:
+    """The keys of one table: from the environment (`WHERE_KEY`), else the file. A key
+    whose type is itself a settings class is a nested table (`[collections.rerank]`, or
+    `rerank.url = …` in `[collections]`; env `COLLECTIONS_RERANK_URL`)."""
+    kinds = typing.get_type_hints(cls)
+    unknown = set(raw) - set(kinds)
+    if unknown:
+        raise SettingsError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}")
+    values: dict[str, Any] = {}
+    for key, kind in kinds.items():
+        path = f"{where}.{key}"
+        if dataclasses.is_dataclass(kind):
+            table = raw.get(key, {})
+            if not isinstance(table, dict):
+                raise SettingsError(f"[{path}] must be a table")
+            values[key] = kind(**_section(kind, table, env, path))  # type: ignore[operator]
+            continue
+        env_name = path.replace(".", "_").upper()
+        if env_name in env:
+            values[key] = _from_env(env[env_name], kind, env_name)
+        elif key in raw:
+            values[key] = _coerce(raw[key], kind, path)
+    return values
 
 
 def _derive(settings: Settings, folder: Path) -> Settings:
@@ -250,6 +296,7 @@ def _derive(settings: Settings, folder: Path) -> Settings:
             "api_key": emb.api_key or settings.llm.api_key,
         },
         store={"url": sqlite_beside(settings.store.url, folder)},
+        collections={"url": path_beside(settings.collections.url, folder)},
     )
 
 
@@ -259,6 +306,15 @@ def sqlite_beside(url: str, folder: Path) -> str:
     if not url.startswith(prefix) or url.startswith(prefix + "/") or url == prefix + ":memory:":
         return url
     return prefix + str(folder / url[len(prefix) :])
+
+
+def path_beside(url: str, folder: Path) -> str:
+    """`tantivy:///data/x` → `tantivy:////<folder>/data/x` (and `milvus:///file.db`, a
+    Milvus Lite file); a server URL (`milvus://host:19530`) as it is."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or rest.startswith("/") or scheme == "sqlite":
+        return url
+    return f"{scheme}:///{folder / rest}"
 
 
 def _coerce(value: Any, kind: Any, where: str) -> Any:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from .base import Chat, FileRecord, Saved, Store, StoredChunk, StoredMessage, Usage
+from .base import (
+    Chat,
+    CollectionRecord,
+    DocumentRecord,
+    FileRecord,
+    Saved,
+    Store,
+    StoredChunk,
+    StoredMessage,
+    Usage,
+)
 
 
 def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100) -> Store:
@@ -26,6 +36,8 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
 
 __all__ = [
     "Chat",
+    "CollectionRecord",
+    "DocumentRecord",
     "FileRecord",
     "Saved",
     "Store",
