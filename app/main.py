@@ -22,6 +22,8 @@ from . import api, config, logs
 from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
+from .collections.base import open_engine
+from .collections.service import CollectionService
 from .config import Settings
 from .files.service import FileService
 from .ids import Snowflake, WorkerLease
@@ -33,7 +35,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import openai, perplexica, sse, ws
+from .transport import collections, openai, perplexica, sse, ws
 from .transport.http import AuthMiddleware
 from .transport.streaming import SERVER_SEND
 
@@ -81,6 +83,20 @@ async def open_service(
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
         files = FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids)
+        engine = open_engine(settings.collections.url)
+        await stack.enter_async_context(engine)
+        chores: list[ChatService] = []  # the service spawns imports; it is made just below
+        knowledge = CollectionService(
+            settings.collections,
+            settings.uploads,
+            store=the_store,
+            engine=engine,
+            embedder=embedder,
+            reader=search.reader,
+            ids=ids,
+            spawn=lambda coro: chores[0].spawn(coro),
+        )
+        stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
             store=the_store,
@@ -94,7 +110,9 @@ async def open_service(
                 settings.research, search=search, files=files, llm=the_llm, prompts=the_prompts
             ),
             metrics=metrics,
+            collections=knowledge,
         )
+        chores.append(service)
         await stack.enter_async_context(WorkerLease(the_store, service.ids))
         await service.open()
         try:
@@ -131,6 +149,7 @@ def create_app(
             )
             app.state.settings = settings
             app.state.service = service
+            app.state.collections = service.collections
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.streams = set()
@@ -168,6 +187,29 @@ def create_app(
         Route("/api/uploads", api.list_uploads, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.delete_upload, methods=["DELETE"]),
+        # knowledge collections (PROTOCOL §12)
+        Route("/api/collections", collections.create, methods=["POST"]),
+        Route("/api/collections", collections.listed, methods=["GET"]),
+        Route("/api/collections/{collection_id}", collections.get, methods=["GET"]),
+        Route("/api/collections/{collection_id}", collections.update, methods=["PATCH"]),
+        Route("/api/collections/{collection_id}", collections.delete, methods=["DELETE"]),
+        Route(
+            "/api/collections/{collection_id}/documents",
+            collections.add_documents,
+            methods=["POST"],
+        ),
+        Route("/api/collections/{collection_id}/documents", collections.documents, methods=["GET"]),
+        Route(
+            "/api/collections/{collection_id}/documents/{document_id}",
+            collections.delete_document,
+            methods=["DELETE"],
+        ),
+        Route(
+            "/api/collections/{collection_id}/imports/{import_id}",
+            collections.import_progress,
+            methods=["GET"],
+        ),
+        Route("/api/collections/{collection_id}/search", collections.search, methods=["POST"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
@@ -188,7 +230,7 @@ def create_app(
         Middleware(
             CORSMiddleware,
             allow_origins=origins,
-            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
             allow_headers=["authorization", "content-type", "last-event-id"],
         ),
         Middleware(AuthMiddleware, auth=auth),

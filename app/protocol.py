@@ -28,6 +28,7 @@ OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_FILES = 50
+MAX_COLLECTIONS = 20
 #: history roles → the model's roles (PROTOCOL §1)
 ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 MAX_JSON_DEPTH = 32
@@ -46,6 +47,7 @@ class ChatRequest:
     optimization_mode: str = "speed"
     history: tuple[tuple[str, str], ...] | None = None
     files: tuple[str, ...] = ()
+    collections: tuple[str, ...] = ()  # knowledge collections to search (PROTOCOL §12)
     instructions: str = ""  # extra instructions for the model (Perplexica's systemInstructions)
     model: str | None = None  # a configured chat model the client picked
     format: str = "default"
@@ -146,6 +148,7 @@ def parse_chat_request(
         files = []
     if not isinstance(files, list) or len(files) > MAX_FILES:
         raise BadRequest(f"files must be a list of at most {MAX_FILES} file ids")
+    collections = parse_collections(body.get("collections"))
     instructions = body.get("systemInstructions", "")
     if not isinstance(instructions, str) or len(instructions) > max_content_chars:
         raise BadRequest(
@@ -167,11 +170,22 @@ def parse_chat_request(
         optimization_mode=optimization_mode,
         history=history,
         files=tuple(dict.fromkeys(parse_id(f, "files[]") for f in files)),
+        collections=collections,
         instructions=instructions.strip(),
         format=fmt,
         host=host,
         transport=transport,
     )
+
+
+def parse_collections(value: Any) -> tuple[str, ...]:
+    """`collections`: a list of collection ids (whether the user may read them is the
+    service's check, also `BAD_REQUEST`)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_COLLECTIONS:
+        raise BadRequest(f"collections must be a list of at most {MAX_COLLECTIONS} collection ids")
+    return tuple(dict.fromkeys(parse_id(c, "collections[]") for c in value))
 
 
 def parse_history(

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ..collections.service import CollectionSearch, with_collections
 from ..errors import AppError, StreamError, Unavailable
 from ..llm import Message
 from ..protocol import ChatRequest, Event
@@ -50,6 +51,7 @@ class Generation:
         out: LogWriter,
         files: list[FileRecord] | None = None,
         regenerate: bool = False,
+        collections: CollectionSearch | None = None,
     ) -> None:
         self.service = service
         self.request = request
@@ -57,6 +59,7 @@ class Generation:
         self.new_chat = new_chat
         self.out = out
         self.files = files or []
+        self.collections = collections
         self.regenerate = regenerate
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -167,15 +170,20 @@ class Generation:
         mode = MODES[req.focus_mode]
         date = datetime.now(UTC).isoformat(timespec="seconds")
         web = mode.sources is not None and mode.sources.applies(req)
-        if not web and not self.files:
+        if not web and not self.files and self.collections is None:
             prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
             return svc.prompts.render(prompt, date=date)
         results = []
         if web and mode.sources is not None:
-            job = SourceJob(self.out, question, req, svc.search, svc.research, self.files)
+            job = SourceJob(
+                self.out, question, req, svc.search, svc.research, self.files, self.collections
+            )
             results = await mode.sources.find(job)
-        if self.files and not (mode.sources and mode.sources.reads_files):
+        own_search = mode.sources is not None and mode.sources.reads_files
+        if self.files and not own_search:
             results = await self._with_files(question, results)
+        if self.collections is not None and not own_search:
+            results = await with_collections(self.out, self.collections, question, results)
         if not results:
             self.out.emit("progress", data="answering without sources")
             return svc.prompts.render(PLAIN_PROMPT, date=date)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ..search.base import SearchScope
 
 if TYPE_CHECKING:
+    from ..collections.service import CollectionSearch
     from ..protocol import ChatRequest
     from ..search.base import SearchResult
     from ..search.web import Progress, WebSearch
@@ -33,6 +34,7 @@ class SourceJob:
     web: WebSearch
     research: DeepResearch
     files: list[FileRecord]
+    collections: CollectionSearch | None = None
 
 
 class Sources(abc.ABC):
@@ -69,13 +71,13 @@ class WebSources(Sources):
 
 
 class ResearchSources(Sources):
-    """The deepResearch loop: plan, search sub-questions (on the web and in the
-    request's files), reflect, repeat."""
+    """The deepResearch loop: plan, search sub-questions (on the web, in the request's
+    files and in its collections), reflect, repeat."""
 
     reads_files = True
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.research.find_sources(job.out, job.question, job.files)
+        return await job.research.find_sources(job.out, job.question, job.files, job.collections)
 
 
 @dataclass(frozen=True, slots=True)

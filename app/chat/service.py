@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from ..collections.service import CollectionService
 from ..config import Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
 from ..files.service import FileService
@@ -63,6 +64,7 @@ class ChatService:
         research: DeepResearch,
         files: FileService,
         metrics: Metrics,
+        collections: CollectionService | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -73,6 +75,7 @@ class ChatService:
         self.search = search
         self.research = research
         self.files = files
+        self.collections = collections
         self.metrics = metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generations: dict[str, Generation] = {}
@@ -115,6 +118,10 @@ class ChatService:
             known = {f.id for f in files}
             attached = (await self.store.chat_files([chat_id])).get(chat_id, [])
             files += [f for f in attached if f.id not in known and f.status == "ready"]
+        knowledge = None
+        if request.collections and self.collections is not None:
+            readable = await self.collections.usable(request.user_id, request.collections)
+            knowledge = self.collections.searcher(readable)
         handle = Handle(
             chat_id=chat_id,
             answer_id=self.ids.next_str(),
@@ -161,6 +168,7 @@ class ChatService:
             out=LogWriter(log_),
             files=files,
             regenerate=asked is not None,
+            collections=knowledge,
         )
         self._generations[handle.answer_id] = generation
         run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")

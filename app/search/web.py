@@ -283,7 +283,12 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
             metadata["fileId"] = r.file_id
             if r.page:
                 metadata["page"] = r.page
-        text = r.snippet if r.file_id else (r.snippet or r.content)[:SNIPPET_CHARS]
+        elif r.collection_id:
+            metadata["collectionId"] = r.collection_id
+            metadata["documentId"] = r.document_id
+            metadata["page"] = r.page
+        passage = r.file_id or r.collection_id
+        text = r.snippet if passage else (r.snippet or r.content)[:SNIPPET_CHARS]
         entries.append({"metadata": metadata, "pageContent": text})
     return entries
 
@@ -298,6 +303,6 @@ def context_of(results: list[SearchResult]) -> str:
 
 
 def cited(result: SearchResult) -> str:
-    if not result.file_id:
+    if not (result.file_id or result.collection_id):
         return result.url
     return f"{result.title}" + (f" (page {result.page})" if result.page else "")

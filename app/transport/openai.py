@@ -36,6 +36,8 @@ from ..protocol import (
     Encoder,
     Event,
     Events,
+    parse_collections,
+    parse_id,
 )
 from ..streams import Handle
 from .http import ERROR_TYPES, client_identity, count_request, openai_error, rate_key, read_json
@@ -123,7 +125,12 @@ def parse_completion(body: Any, settings: Settings) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models")
     focus, _, optimization = model.partition(":")
-    if model not in model_ids() or focus not in FOCUS_MODES:
+    collections = parse_collections(body.get("collections"))
+    copilot = True
+    if focus == "collection":  # `collection:<id>`: that collection alone, no web
+        collections = (*collections, parse_id(optimization, "model's collection id"))
+        focus, optimization, copilot = "webSearch", "", False
+    elif model not in model_ids() or focus not in FOCUS_MODES:
         raise NotFound(f"the model {model!r} does not exist: see GET /v1/models")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -153,8 +160,10 @@ def parse_completion(body: Any, settings: Settings) -> ChatRequest:
         user_id="0",
         content=turns[last_user][1],
         focus_mode=focus,
+        copilot_enabled=copilot,
         optimization_mode=optimization or "speed",
         history=tuple(history),
+        collections=tuple(dict.fromkeys(collections)),
         instructions="\n\n".join(t for t in instructions if t.strip())[: limits.max_content_chars],
         transport="openai",
     )

@@ -1,0 +1,539 @@
+"""Knowledge collections (PROTOCOL §12): create, share, import, list, delete, search.
+
+The store keeps what every process must agree on (collections, shares, documents and
+their status); the engine (`base.py`) keeps the passages. An import answers at once:
+every document of the request is recorded — `indexing`, or `failed` with why when it
+is refused by name (`archive.py`) — and then read, chunked (in a child process,
+`files/extract.py`), embedded in batches (when an embeddings model is configured) and
+indexed in the background, a few documents at a time per process. A document is
+searchable once all its passages are in the engine, and `ready` after that; one that
+fails leaves nothing in the engine. The event loop only waits: reading runs in child
+processes, the engine in threads.
+
+Search is hybrid: BM25 over each collection's own statistics, and, with embeddings,
+the nearest passages by cosine; the rankings are fused by reciprocal rank (`fuse`),
+then reranked by `collections.rerank.url` when one is set.
+
+Who may do what (§7): the owner everything; a user it is shared with may read and
+search it (403 for a change); anyone else gets 404, as for a collection that does not
+exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import numpy as np
+
+from ..config import CollectionSettings, UploadSettings
+from ..errors import AppError, BadRequest, Forbidden, NotFound
+from ..files.extract import chunk_pages, clean, extract
+from ..ids import Snowflake
+from ..llm import Embedder
+from ..search.base import SearchResult
+from ..search.reader import Reader
+from ..store import CollectionRecord, DocumentRecord, Store
+from .archive import Entry, Refusal, entries
+from .base import Engine, Hit, Passage
+
+log = logging.getLogger("app.collections")
+
+MAX_NAME_CHARS = 200
+MAX_DESCRIPTION_CHARS = 2000
+MAX_SHARED = 100
+MAX_URLS = 100
+MAX_PER_REQUEST = 20  # collections one chat request may name
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """An import: how many documents it has, how many have ended, which failed."""
+
+    total: int
+    done: int
+    failed: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"done": self.done, "total": self.total, "failed": self.failed}
+
+
+def fuse(rankings: Sequence[Sequence[Hit]], k: int = 60) -> list[Hit]:
+    """Reciprocal rank fusion: each passage scores Σ 1 / (k + rank) over the rankings
+    it is in (rank from 1); best first, ties in first-seen order. The fused score
+    replaces the engines' scores, which are not on one scale."""
+    scores: dict[tuple[str, str, int], float] = {}
+    hits: dict[tuple[str, str, int], Hit] = {}
+    for ranking in rankings:
+        for rank, hit in enumerate(ranking, start=1):
+            scores[hit.key] = scores.get(hit.key, 0.0) + 1.0 / (k + rank)
+            hits.setdefault(hit.key, hit)
+    order = sorted(scores, key=lambda key: -scores[key])
+    return [replace(hits[key], score=scores[key]) for key in order]
+
+
+class Reranker:
+    """A Jina/Cohere-style rerank endpoint: `POST url {model, query, documents, top_n}`
+    → `{"results": [{"index", "relevance_score"}]}`. Raises nothing: a reranker that
+    fails leaves the order as it was (and says so in the log)."""
+
+    def __init__(self, url: str, model: str, api_key: str, timeout: float) -> None:
+        self.url = url
+        self.model = model
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def rerank(self, query: str, hits: list[Hit]) -> list[Hit]:
+        if len(hits) < 2:
+            return hits
+        body = {
+            "model": self.model,
+            "query": query,
+            "documents": [h.passage.text for h in hits],
+            "top_n": len(hits),
+        }
+        try:
+            response = await self.http.post(self.url, json=body)
+            response.raise_for_status()
+            results = response.json()["results"]
+            order = [(int(r["index"]), float(r["relevance_score"])) for r in results]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("rerank failed (%s); keeping the fused order", type(exc).__name__)
+            return hits
+        seen = {i for i, _ in order if 0 <= i < len(hits)}
+        ranked = [replace(hits[i], score=s) for i, s in order if 0 <= i < len(hits)]
+        return ranked + [h for i, h in enumerate(hits) if i not in seen]
+
+
+class CollectionService:
+    def __init__(
+        self,
+        settings: CollectionSettings,
+        uploads: UploadSettings,
+        *,
+        store: Store,
+        engine: Engine,
+        embedder: Embedder,
+        reader: Reader,
+        ids: Snowflake,
+        spawn: Spawn,
+    ) -> None:
+        self.settings = settings
+        self.uploads = uploads
+        self.store = store
+        self.engine = engine
+        self.embedder = embedder
+        self.reader = reader
+        self.ids = ids
+        self.spawn = spawn
+        self.reranker = (
+            Reranker(
+                settings.rerank.url,
+                settings.rerank.model,
+                settings.rerank.api_key,
+                settings.rerank.timeout_seconds,
+            )
+            if settings.rerank.url
+            else None
+        )
+        self._importing = asyncio.Semaphore(max(1, settings.import_concurrency))
+
+    async def aclose(self) -> None:
+        if self.reranker is not None:
+            await self.reranker.aclose()
+
+    # -- collections ----------------------------------------------------------------------
+
+    async def create(self, user_id: str, name: Any, description: Any = "") -> CollectionRecord:
+        record = CollectionRecord(
+            id=self.ids.next_str(),
+            owner=user_id,
+            name=_text(name, "name", MAX_NAME_CHARS, required=True),
+            description=_text(description, "description", MAX_DESCRIPTION_CHARS),
+            created_at=time.time(),
+        )
+        await self.store.add_collection(record)
+        return record
+
+    async def readable(self, user_id: str, collection_id: str) -> CollectionRecord:
+        """The collection, if `user_id` owns it or it is shared with them; else
+        `NotFound` (another user's collection is not even said to exist)."""
+        record = await self.store.get_collection(collection_id)
+        if record is None or record.private and record.owner != user_id:
+            raise NotFound("no such collection")
+        if record.owner != user_id and user_id not in record.shared:
+            raise NotFound("no such collection")
+        return record
+
+    async def owned(self, user_id: str, collection_id: str) -> CollectionRecord:
+        """The collection, if `user_id` owns it; `Forbidden` for a user it is shared
+        with (read-only), `NotFound` for anyone else."""
+        record = await self.readable(user_id, collection_id)
+        if record.owner != user_id:
+            raise Forbidden("this collection is shared with you read-only")
+        return record
+
+    async def listed(self, user_id: str) -> list[CollectionRecord]:
+        return await self.store.list_collections(user_id)
+
+    async def update(
+        self, user_id: str, collection_id: str, body: dict[str, Any]
+    ) -> CollectionRecord:
+        record = await self.owned(user_id, collection_id)
+        unknown = set(body) - {"name", "description", "shared", "userId"}
+        if unknown:
+            raise BadRequest(f"cannot change {', '.join(sorted(unknown))}")
+        changed = record
+        if "name" in body:
+            changed = replace(changed, name=_text(body["name"], "name", MAX_NAME_CHARS, True))
+        if "description" in body:
+            changed = replace(
+                changed,
+                description=_text(body["description"], "description", MAX_DESCRIPTION_CHARS),
+            )
+        if "shared" in body:
+            changed = replace(changed, shared=_users(body["shared"], user_id))
+        await self.store.update_collection(changed)
+        return await self.owned(user_id, collection_id)
+
+    async def delete(self, user_id: str, collection_id: str) -> None:
+        await self.owned(user_id, collection_id)
+        await self.store.delete_collection(collection_id)
+        await self.engine.drop(collection_id)
+
+    async def usable(self, user_id: str, collection_ids: Sequence[str]) -> list[CollectionRecord]:
+        """The collections a chat request names, checked: `BadRequest` naming the first
+        that does not exist or that the user may not read (PROTOCOL §1)."""
+        found = []
+        for collection_id in collection_ids:
+            try:
+                found.append(await self.readable(user_id, collection_id))
+            except NotFound as exc:
+                raise BadRequest(
+                    f"collections: {collection_id!r} is not a collection you can read"
+                ) from exc
+        return found
+
+    # -- documents --------------------------------------------------------------------------
+
+    async def documents(self, user_id: str, collection_id: str) -> list[DocumentRecord]:
+        await self.readable(user_id, collection_id)
+        return await self.store.list_documents(collection_id)
+
+    async def delete_document(self, user_id: str, collection_id: str, document_id: str) -> None:
+        await self.owned(user_id, collection_id)
+        record = await self.store.get_document(document_id)
+        if record is None or record.collection_id != collection_id:
+            raise NotFound("no such document in this collection")
+        await self.engine.delete_documents(collection_id, [document_id])
+        await self.store.delete_document(document_id)
+
+    async def import_files(
+        self, user_id: str, collection_id: str, files: Sequence[tuple[str, bytes]]
+    ) -> tuple[str, list[DocumentRecord]]:
+        """Record every document of `files` (a zip's files each) and index them in the
+        background; returns the import's id and its documents (refused ones `failed`).
+        `BadRequest` when there are no files, or when every one of them was refused
+        (the first refusal's status, naming them)."""
+        await self.owned(user_id, collection_id)
+        if not files:
+            raise BadRequest("send the files as multipart form parts named 'files'")
+        found: list[Entry] = []
+        refused: list[Refusal] = []
+        budget = self.settings.max_import_bytes
+        for name, data in files:
+            more, no = await asyncio.to_thread(
+                entries,
+                name,
+                data,
+                max_file_bytes=self.uploads.max_file_bytes,
+                max_total_bytes=max(0, budget - sum(len(e.data) for e in found)),
+                max_files=max(0, self.settings.max_import_files - len(found)),
+            )
+            found += more
+            refused += no
+        return await self._start(collection_id, found, refused, [])
+
+    async def import_urls(
+        self, user_id: str, collection_id: str, urls: Any
+    ) -> tuple[str, list[DocumentRecord]]:
+        """Record a document per URL and read them with the reader in the background."""
+        await self.owned(user_id, collection_id)
+        if not isinstance(urls, list) or not urls or len(urls) > MAX_URLS:
+            raise BadRequest(f"urls must be a list of 1 to {MAX_URLS} http(s) URLs")
+        good, refused = [], []
+        for url in urls:
+            if isinstance(url, str) and url.lower().startswith(("http://", "https://")):
+                good.append(url[:4096])
+            else:
+                refused.append(Refusal(str(url)[:300], "not an http(s) URL", 400))
+        return await self._start(collection_id, [], refused, list(dict.fromkeys(good)))
+
+    async def _start(
+        self, collection_id: str, found: list[Entry], refused: list[Refusal], urls: list[str]
+    ) -> tuple[str, list[DocumentRecord]]:
+        import_id = self.ids.next_str()
+        now = time.time()
+        existing = len(await self.store.list_documents(collection_id))
+        room = max(0, self.settings.max_documents - existing)
+        queued: list[tuple[DocumentRecord, Entry | str]] = []
+        records: list[DocumentRecord] = []
+        items: list[Entry | str] = [*found, *urls]
+        for item in items:
+            title, kind, size = (
+                (item.title, item.kind, len(item.data))
+                if isinstance(item, Entry)
+                else (item, "url", 0)
+            )
+            record = DocumentRecord(
+                self.ids.next_str(),
+                collection_id,
+                import_id,
+                title,
+                kind,
+                size,
+                now,
+                url="" if isinstance(item, Entry) else item,
+            )
+            if len(queued) >= room:
+                record = replace(
+                    record,
+                    status="failed",
+                    error=f"the collection has its {self.settings.max_documents} documents",
+                    code=413,
+                )
+            else:
+                queued.append((record, item))
+            records.append(record)
+        for r in refused:
+            records.append(
+                DocumentRecord(
+                    self.ids.next_str(),
+                    collection_id,
+                    import_id,
+                    r.title,
+                    "",
+                    r.size,
+                    now,
+                    status="failed",
+                    error=r.error,
+                    code=r.status,
+                )
+            )
+        if not queued:
+            if not records:
+                raise BadRequest("the import has no documents")
+            first = next(r for r in records if r.status == "failed")
+            names = "; ".join(f"{r.title!r}: {r.error}" for r in records[:10])
+            raise BadRequest(f"no document could be imported: {names}", status=first.code or 400)
+        await self.store.add_documents(records)
+        for record, item in queued:
+            self.spawn(self._index(record, item))
+        return import_id, records
+
+    async def _index(self, record: DocumentRecord, item: Entry | str) -> None:
+        """Read, chunk, embed and index one document, then mark it `ready` — or
+        `failed` with why, with nothing of it left in the engine."""
+        async with self._importing:
+            started = time.monotonic()
+            try:
+                pages, passages = await self._read(record, item)
+                vectors = await self._embed([p.text for p in passages])
+                await self.engine.add(record.collection_id, passages, vectors)
+                ready = replace(record, status="ready", pages=pages, chunks=len(passages))
+                await self.store.finish_document(ready)
+            except AppError as exc:
+                failed = replace(record, status="failed", error=exc.message, code=exc.status)
+                try:
+                    await self.engine.delete_documents(record.collection_id, [record.id])
+                finally:
+                    await self.store.finish_document(failed)
+                return
+            log.info(
+                "document indexed",
+                extra={
+                    "fields": {
+                        "collectionId": record.collection_id,
+                        "documentId": record.id,
+                        "kind": record.kind,
+                        "pages": ready.pages,
+                        "chunks": ready.chunks,
+                        "embedded": vectors is not None,
+                        "ms": round((time.monotonic() - started) * 1000, 1),
+                    }
+                },
+            )
+
+    async def _read(self, record: DocumentRecord, item: Entry | str) -> tuple[int, list[Passage]]:
+        u = self.uploads
+        if isinstance(item, Entry):
+            extracted = await extract(
+                item.title,
+                item.data,
+                max_pages=u.max_pages,
+                timeout=u.extract_timeout_seconds,
+                chunk_tokens=u.chunk_tokens,
+                overlap=u.chunk_overlap_tokens,
+            )
+            pages, chunks = extracted.pages, extracted.chunks
+        else:
+            text = clean(await self.reader.read(item))
+            chunks = await asyncio.to_thread(
+                chunk_pages, [text], u.chunk_tokens, u.chunk_overlap_tokens
+            )
+            if not chunks:
+                raise BadRequest(f"{item!r} has no text", status=422)
+            pages = 1
+        url = record.url or "File"
+        return pages, [Passage(record.id, c.n, c.page, record.title, url, c.text) for c in chunks]
+
+    async def _embed(self, texts: list[str]) -> np.ndarray | None:
+        """The texts' embeddings in batches, or None without an embeddings model."""
+        if not self.embedder.configured or not texts:
+            return None
+        batch = max(1, self.uploads.embed_batch)
+        parts = [
+            await self.embedder.embed(texts[i : i + batch]) for i in range(0, len(texts), batch)
+        ]
+        return np.vstack(parts).astype(np.float32)
+
+    async def progress(self, user_id: str, collection_id: str, import_id: str) -> Progress:
+        await self.readable(user_id, collection_id)
+        records = await self.store.list_documents(collection_id, import_id)
+        if not records:
+            raise NotFound("no such import")
+        failed = [
+            {"name": r.title, "error": r.error, "status": r.code, "documentId": r.id}
+            for r in records
+            if r.status == "failed"
+        ]
+        done = sum(1 for r in records if r.status != "indexing")
+        return Progress(len(records), done, failed)
+
+    # -- search -----------------------------------------------------------------------------
+
+    async def search(
+        self,
+        collections: Sequence[str],
+        query: str,
+        limit: int,
+        documents: Sequence[str] | None = None,
+    ) -> list[Hit]:
+        """The `limit` best passages of these collections (spaces) for `query`: BM25 and,
+        with embeddings, nearest vectors — each collection's own rankings — fused by
+        reciprocal rank and reranked when a reranker is set. Cancelling is safe."""
+        if not collections:
+            return []
+        depth = max(limit, self.settings.candidates)
+        searches = [self.engine.lexical(c, query, depth, documents) for c in collections]
+        if self.embedder.configured:
+            try:
+                vector = (await self.embedder.embed([query]))[0]
+            except AppError as exc:
+                log.info("query not embedded (%s): ranking passages with BM25", exc.message)
+            else:
+                searches += [self.engine.nearest(c, vector, depth, documents) for c in collections]
+        rankings = await asyncio.gather(*searches)
+        fused = fuse(rankings, self.settings.rrf_k)
+        if self.reranker is not None:
+            fused = await self.reranker.rerank(query, fused[: max(limit * 3, limit)])
+        return fused[:limit]
+
+    def searcher(
+        self, collections: Sequence[CollectionRecord], limit: int | None = None
+    ) -> CollectionSearch:
+        return CollectionSearch(self, [c.id for c in collections], limit or self.settings.passages)
+
+    # -- admin --------------------------------------------------------------------------------
+
+    async def reembed(self, collection_ids: Sequence[str]) -> int:
+        """Embed every passage of these collections again with the configured model
+        (after the model changed); returns how many passages. Without an embeddings
+        model the vectors are removed (BM25 alone ranks)."""
+        count = 0
+        for collection_id in collection_ids:
+            by_document: dict[str, list[Passage]] = {}
+            for p in await self.engine.passages(collection_id):
+                by_document.setdefault(p.document_id, []).append(p)
+            # every vector first: a model that fails leaves the collection as it was
+            embedded = [
+                (group, await self._embed([p.text for p in group]))
+                for group in by_document.values()
+            ]
+            await self.engine.drop(collection_id)  # the vectors' width may have changed
+            for group, vectors in embedded:
+                await self.engine.add(collection_id, group, vectors)
+                count += len(group)
+        return count
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionSearch:
+    """`search_collection(query)` for one request: the passages of its collections as
+    sources, best first. Small on purpose: the research loop calls it per
+    sub-question, and a research agent's tool can call it as it is."""
+
+    service: CollectionService
+    collection_ids: list[str]
+    limit: int
+
+    async def __call__(self, query: str, limit: int | None = None) -> list[SearchResult]:
+        hits = await self.service.search(self.collection_ids, query, limit or self.limit)
+        return [as_source(hit) for hit in hits]
+
+
+async def with_collections(
+    out: Any, search: CollectionSearch, question: str, web: list[SearchResult]
+) -> list[SearchResult]:
+    """The collections' passages for `question` beside the web results, fused by rank
+    (the two rankings are on no common scale): the best of each first, in turn."""
+    out.emit("progress", data="searching your collections")
+    passages = await search(question)
+    if not web:
+        return passages
+    merged = []
+    for i in range(max(len(web), len(passages))):
+        merged += passages[i : i + 1] + web[i : i + 1]
+    return merged
+
+
+def as_source(hit: Hit) -> SearchResult:
+    p = hit.passage
+    return SearchResult(
+        title=p.title,
+        url=p.url or "File",
+        snippet=p.text,
+        page=p.page,
+        collection_id=hit.space,
+        document_id=p.document_id,
+        score=hit.score,
+    )
+
+
+def _text(value: Any, name: str, limit: int, required: bool = False) -> str:
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise BadRequest(f"{name} must be a{' non-empty' if required else ''} string")
+    text = "".join(ch for ch in value if ch.isprintable()).strip()
+    if len(text) > limit:
+        raise BadRequest(f"{name} is longer than {limit} characters")
+    return text
+
+
+def _users(value: Any, owner: str) -> tuple[str, ...]:
+    from ..protocol import parse_id
+
+    if not isinstance(value, list) or len(value) > MAX_SHARED:
+        raise BadRequest(f"shared must be a list of at most {MAX_SHARED} user ids")
+    return tuple(dict.fromkeys(u for u in (parse_id(v, "shared[]") for v in value) if u != owner))
