@@ -154,6 +154,7 @@ class CollectionSettings:
     passages: int = 8  # passages given to the model per question
     candidates: int = 50  # taken from each ranking before fusion
     rrf_k: int = 60
+    dense_weight: float = 1.0  # the vectors' ranking in the fusion, BM25's being 1
     import_concurrency: int = 2  # documents of one process read and indexed at once
     rerank: RerankSettings = field(default_factory=RerankSettings)
 

@@ -91,6 +91,7 @@ def settings(tmp_path: Path, model_url: str, fake_search: FakeSearch) -> Setting
         },
         embeddings={"base_url": model_url, "api_key": "test-key", "model": "fake-embed"},
         store={"url": f"sqlite:///{tmp_path}/chat.db"},
+        collections={"url": f"tantivy:///{tmp_path}/collections"},
         server={"keepalive_seconds": 15.0, "shutdown_grace_seconds": 2.0},
         search={"provider": "tavily", "max_results": 8, "timeout_seconds": 10.0},
         tavily={"api_key": fake_search.api_key, "base_url": base + "/tavily"},

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
-from ..files.extract import chunk_pages, clean, extract
+from ..files.extract import Chunk, chunk_pages, clean, extract_many
 from ..ids import Snowflake
 from ..llm import Embedder
 from ..search.base import SearchResult
@@ -48,7 +48,8 @@ MAX_NAME_CHARS = 200
 MAX_DESCRIPTION_CHARS = 2000
 MAX_SHARED = 100
 MAX_URLS = 100
-MAX_PER_REQUEST = 20  # collections one chat request may name
+BATCH_FILES = 32  # documents read by one child process and indexed in one commit
+BATCH_BYTES = 16 * 1024 * 1024
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], object]
 
@@ -65,15 +66,19 @@ class Progress:
         return {"done": self.done, "total": self.total, "failed": self.failed}
 
 
-def fuse(rankings: Sequence[Sequence[Hit]], k: int = 60) -> list[Hit]:
-    """Reciprocal rank fusion: each passage scores Σ 1 / (k + rank) over the rankings
-    it is in (rank from 1); best first, ties in first-seen order. The fused score
-    replaces the engines' scores, which are not on one scale."""
+def fuse(
+    rankings: Sequence[Sequence[Hit]], k: int = 60, weights: Sequence[float] | None = None
+) -> list[Hit]:
+    """Reciprocal rank fusion: each passage scores Σ w / (k + rank) over the rankings
+    it is in (rank from 1, `w` the ranking's weight, 1 by default); best first, ties
+    in first-seen order. The fused score replaces the engines' scores, which are not
+    on one scale."""
     scores: dict[tuple[str, str, int], float] = {}
     hits: dict[tuple[str, str, int], Hit] = {}
-    for ranking in rankings:
+    for i, ranking in enumerate(rankings):
+        weight = weights[i] if weights is not None else 1.0
         for rank, hit in enumerate(ranking, start=1):
-            scores[hit.key] = scores.get(hit.key, 0.0) + 1.0 / (k + rank)
+            scores[hit.key] = scores.get(hit.key, 0.0) + weight / (k + rank)
             hits.setdefault(hit.key, hit)
     order = sorted(scores, key=lambda key: -scores[key])
     return [replace(hits[key], score=scores[key]) for key in order]
@@ -337,65 +342,112 @@ class CollectionService:
             names = "; ".join(f"{r.title!r}: {r.error}" for r in records[:10])
             raise BadRequest(f"no document could be imported: {names}", status=first.code or 400)
         await self.store.add_documents(records)
+        batch: list[tuple[DocumentRecord, Entry | str]] = []
+        size = 0
         for record, item in queued:
-            self.spawn(self._index(record, item))
+            batch.append((record, item))
+            size += len(item.data) if isinstance(item, Entry) else BATCH_BYTES
+            if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
+                self.spawn(self._index(batch))
+                batch, size = [], 0
+        if batch:
+            self.spawn(self._index(batch))
         return import_id, records
 
-    async def _index(self, record: DocumentRecord, item: Entry | str) -> None:
-        """Read, chunk, embed and index one document, then mark it `ready` — or
-        `failed` with why, with nothing of it left in the engine."""
+    async def _index(self, batch: list[tuple[DocumentRecord, Entry | str]]) -> None:
+        """Read, chunk, embed and index some documents, then mark them `ready` — or
+        each that fails `failed` with why, with nothing of it left in the engine. The
+        documents that were read go into the engine together (one commit)."""
         async with self._importing:
             started = time.monotonic()
+            read: list[tuple[DocumentRecord, int, list[Passage], np.ndarray | None]] = []
+            for record, pages, passages in await self._read(batch):
+                try:
+                    if isinstance(passages, AppError):
+                        raise passages
+                    read.append(
+                        (record, pages, passages, await self._embed([p.text for p in passages]))
+                    )
+                except Exception as exc:  # whatever it was, the document says it failed
+                    await self._failed(record, exc)
+            if not read:
+                return
+            everything = [p for _, _, passages, _ in read for p in passages]
+            vectors = (
+                np.vstack([v for *_, v in read if v is not None])
+                if all(v is not None for *_, v in read)
+                else None
+            )
             try:
-                pages, passages = await self._read(record, item)
-                vectors = await self._embed([p.text for p in passages])
-                await self.engine.add(record.collection_id, passages, vectors)
+                await self.engine.add(read[0][0].collection_id, everything, vectors)
+            except Exception as exc:
+                for record, *_ in read:
+                    await self._failed(record, exc)
+                return
+            for record, pages, passages, _ in read:
                 ready = replace(record, status="ready", pages=pages, chunks=len(passages))
                 await self.store.finish_document(ready)
-            except AppError as exc:
-                failed = replace(record, status="failed", error=exc.message, code=exc.status)
-                try:
-                    await self.engine.delete_documents(record.collection_id, [record.id])
-                finally:
-                    await self.store.finish_document(failed)
-                return
             log.info(
-                "document indexed",
+                "documents indexed",
                 extra={
                     "fields": {
-                        "collectionId": record.collection_id,
-                        "documentId": record.id,
-                        "kind": record.kind,
-                        "pages": ready.pages,
-                        "chunks": ready.chunks,
+                        "collectionId": read[0][0].collection_id,
+                        "documents": len(read),
+                        "chunks": len(everything),
                         "embedded": vectors is not None,
                         "ms": round((time.monotonic() - started) * 1000, 1),
                     }
                 },
             )
 
-    async def _read(self, record: DocumentRecord, item: Entry | str) -> tuple[int, list[Passage]]:
+    async def _failed(self, record: DocumentRecord, exc: Exception) -> None:
+        if not isinstance(exc, AppError):
+            log.error("indexing document %s failed", record.id, exc_info=exc)
+            exc = AppError("internal error while indexing")
+        failed = replace(record, status="failed", error=exc.message, code=exc.status)
+        try:
+            await self.engine.delete_documents(record.collection_id, [record.id])
+        finally:
+            await self.store.finish_document(failed)
+
+    async def _read(
+        self, batch: list[tuple[DocumentRecord, Entry | str]]
+    ) -> list[tuple[DocumentRecord, int, list[Passage] | AppError]]:
+        """Each document's pages and passages, or the error that refuses it: files read
+        together in one child process, URLs by the reader."""
         u = self.uploads
-        if isinstance(item, Entry):
-            extracted = await extract(
-                item.title,
-                item.data,
+        files = [(r, e) for r, e in batch if isinstance(e, Entry)]
+        extracted = (
+            await extract_many(
+                [(e.title, e.data) for _, e in files],
                 max_pages=u.max_pages,
                 timeout=u.extract_timeout_seconds,
                 chunk_tokens=u.chunk_tokens,
                 overlap=u.chunk_overlap_tokens,
             )
-            pages, chunks = extracted.pages, extracted.chunks
-        else:
-            text = clean(await self.reader.read(item))
-            chunks = await asyncio.to_thread(
-                chunk_pages, [text], u.chunk_tokens, u.chunk_overlap_tokens
-            )
-            if not chunks:
-                raise BadRequest(f"{item!r} has no text", status=422)
-            pages = 1
-        url = record.url or "File"
-        return pages, [Passage(record.id, c.n, c.page, record.title, url, c.text) for c in chunks]
+            if files
+            else []
+        )
+        out: list[tuple[DocumentRecord, int, list[Passage] | AppError]] = []
+        for (record, _), got in zip(files, extracted, strict=True):
+            if isinstance(got, BadRequest):
+                out.append((record, 0, got))
+            else:
+                out.append((record, got.pages, _passages(record, got.chunks)))
+        for record, item in batch:
+            if isinstance(item, Entry):
+                continue
+            try:
+                text = clean(await self.reader.read(item))
+                chunks = await asyncio.to_thread(
+                    chunk_pages, [text], u.chunk_tokens, u.chunk_overlap_tokens
+                )
+                if not chunks:
+                    raise BadRequest(f"{item!r} has no text", status=422)
+                out.append((record, 1, _passages(record, chunks)))
+            except AppError as exc:
+                out.append((record, 0, exc))
+        return out
 
     async def _embed(self, texts: list[str]) -> np.ndarray | None:
         """The texts' embeddings in batches, or None without an embeddings model."""
@@ -444,7 +496,9 @@ class CollectionService:
             else:
                 searches += [self.engine.nearest(c, vector, depth, documents) for c in collections]
         rankings = await asyncio.gather(*searches)
-        fused = fuse(rankings, self.settings.rrf_k)
+        weights = [1.0] * len(collections)
+        weights += [self.settings.dense_weight] * (len(rankings) - len(collections))
+        fused = fuse(rankings, self.settings.rrf_k, weights)
         if self.reranker is not None:
             fused = await self.reranker.rerank(query, fused[: max(limit * 3, limit)])
         return fused[:limit]
@@ -518,6 +572,11 @@ def as_source(hit: Hit) -> SearchResult:
         document_id=p.document_id,
         score=hit.score,
     )
+
+
+def _passages(record: DocumentRecord, chunks: Sequence[Chunk]) -> list[Passage]:
+    url = record.url or "File"
+    return [Passage(record.id, c.n, c.page, record.title, url, c.text) for c in chunks]
 
 
 def _text(value: Any, name: str, limit: int, required: bool = False) -> str:

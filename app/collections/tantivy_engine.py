@@ -147,10 +147,11 @@ class TantivyEngine(Engine):
             try:
                 change(writer)
                 writer.commit()
-                writer.wait_merging_threads()
             except BaseException:
                 writer.rollback()
                 raise
+            finally:
+                writer.wait_merging_threads()  # consumes the writer: its lock is let go
             index.reload()
 
     def _bump(self, db_sql: list[tuple[str, Sequence[Any]]], space: str) -> None:
@@ -202,7 +203,7 @@ class TantivyEngine(Engine):
 
         def change(writer: tantivy.IndexWriter) -> None:
             for document_id in {p.document_id for p in passages}:
-                writer.delete_documents("doc", document_id)
+                writer.delete_documents_by_term("doc", document_id)
             for p in passages:
                 writer.add_document(tantivy.Document(doc=p.document_id, n=p.n, text=p.text))
 
@@ -234,7 +235,7 @@ class TantivyEngine(Engine):
 
         def change(writer: tantivy.IndexWriter) -> None:
             for document_id in document_ids:
-                writer.delete_documents("doc", document_id)
+                writer.delete_documents_by_term("doc", document_id)
 
         self._write(space, change)
         self._forget(space, document_ids)

@@ -119,6 +119,109 @@ async def extract(
     return Extracted(answer["pages"], chunks)
 
 
+async def extract_many(
+    items: Sequence[tuple[str, bytes]],
+    *,
+    max_pages: int,
+    timeout: float,
+    chunk_tokens: int,
+    overlap: int,
+) -> list[Extracted | BadRequest]:
+    """Several files read in one child process (one start-up instead of one per file:
+    a zipped folder of notes is mostly start-ups otherwise), each file's chunks or the
+    `BadRequest` that refuses it, in order. `timeout` is per file. When the child
+    fails as a whole (a file that loops or takes all its memory), each file is read
+    again alone, so one bad file costs only itself."""
+    if len(items) == 1:
+        name, data = items[0]
+        try:
+            return [
+                await extract(
+                    name,
+                    data,
+                    max_pages=max_pages,
+                    timeout=timeout,
+                    chunk_tokens=chunk_tokens,
+                    overlap=overlap,
+                )
+            ]
+        except BadRequest as exc:
+            return [exc]
+    out: list[Extracted | BadRequest | None] = []
+    frames = [len(items).to_bytes(4, "big")]
+    for name, data in items:
+        try:
+            kind = kind_of(name)
+        except BadRequest as exc:
+            out.append(exc)
+            kind = "text"
+            data = b""
+        else:
+            out.append(None)
+        frames += [kind.encode().ljust(8), len(data).to_bytes(8, "big"), data]
+    budget = timeout * len(items)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "app.files.extract",
+        "batch",
+        str(max_pages),
+        str(max(1, int(budget))),
+        str(chunk_tokens),
+        str(overlap),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(budget):
+            raw, _ = await child.communicate(b"".join(frames))
+        answers = orjson.loads(raw)
+        if not isinstance(answers, list) or len(answers) != len(items):
+            raise ValueError("short answer")
+    except (TimeoutError, ValueError, orjson.JSONDecodeError):
+        answers = None
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    results: list[Extracted | BadRequest] = []
+    for i, (name, data) in enumerate(items):
+        refused = out[i]
+        if refused is not None:
+            results.append(refused)
+        elif answers is None:
+            alone = await extract_many(
+                [(name, data)],
+                max_pages=max_pages,
+                timeout=timeout,
+                chunk_tokens=chunk_tokens,
+                overlap=overlap,
+            )
+            results.append(alone[0])
+        else:
+            try:
+                results.append(_extracted(name, answers[i]))
+            except BadRequest as exc:
+                results.append(exc)
+    return results
+
+
+def _extracted(name: str, answer: dict[str, object]) -> Extracted:
+    """A child's answer for one file: its chunks, or the `BadRequest` it said."""
+    if "error" in answer:
+        status = int(answer["status"])  # type: ignore[call-overload]
+        raise (Unreadable if status == 422 else BadRequest)(
+            f"{name!r}: {answer['error']}", status=status
+        )
+    pairs = answer["chunks"]
+    assert isinstance(pairs, list)
+    chunks = [Chunk(n, page, text) for n, (page, text) in enumerate(pairs)]
+    if not chunks:
+        raise Unreadable(f"{name!r} has no text (a scan, or an empty file)")
+    return Extracted(int(answer["pages"]), chunks)  # type: ignore[call-overload]
+
+
 def chunk_pages(pages: Sequence[str], size: int, overlap: int) -> list[Chunk]:
     """Each page's text as windows of `size` tokens overlapping by `overlap`; a chunk
     never crosses a page, so every passage can be cited with its page. Tokens are
@@ -228,7 +331,21 @@ def main() -> None:
     os.nice(10)  # background work: on a busy core the server's streams go first
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    if kind == "batch":
+        stream = sys.stdin.buffer
+        answers = []
+        for _ in range(int.from_bytes(stream.read(4), "big")):
+            each = stream.read(8).decode().strip()
+            data = stream.read(int.from_bytes(stream.read(8), "big"))
+            answers.append(_answer(each, data, max_pages, chunk_tokens, overlap))
+        sys.stdout.buffer.write(orjson.dumps(answers))
+        return
     data = sys.stdin.buffer.read()
+    sys.stdout.buffer.write(orjson.dumps(_answer(kind, data, max_pages, chunk_tokens, overlap)))
+
+
+def _answer(kind: str, data: bytes, max_pages: int, chunk_tokens: int, overlap: int) -> object:
+    """One file's chunks as the child answers them, or its error and status."""
     try:
         pages = [clean(page) for page in read(kind, data, max_pages)]
         chunks = chunk_pages(pages, chunk_tokens, overlap)
@@ -240,7 +357,7 @@ def main() -> None:
         answer = {"error": str(exc), "status": exc.status}
     except MemoryError:
         answer = {"error": "the file takes too much memory to read", "status": 413}
-    sys.stdout.buffer.write(orjson.dumps(answer))
+    return answer
 
 
 if __name__ == "__main__":
