@@ -23,6 +23,7 @@ from .auth import Auth, RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .collections.base import open_engine
+from .collections.retrieval import Retriever
 from .collections.service import CollectionService
 from .config import Settings
 from .files.service import FileService
@@ -82,21 +83,23 @@ async def open_service(
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
-        files = FileService(settings.uploads, store=the_store, embedder=embedder, ids=ids)
         engine = open_engine(settings.collections.url)
         await stack.enter_async_context(engine)
+        retriever = Retriever(settings.collections, engine=engine, embedder=embedder)
+        stack.push_async_callback(retriever.aclose)
+        files = FileService(
+            settings.uploads, store=the_store, embedder=embedder, ids=ids, retriever=retriever
+        )
         chores: list[ChatService] = []  # the service spawns imports; it is made just below
         knowledge = CollectionService(
             settings.collections,
             settings.uploads,
             store=the_store,
-            engine=engine,
-            embedder=embedder,
+            retriever=retriever,
             reader=search.reader,
             ids=ids,
             spawn=lambda coro: chores[0].spawn(coro),
         )
-        stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
             store=the_store,

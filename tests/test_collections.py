@@ -18,7 +18,7 @@ from fpdf import FPDF
 from httpx_ws import aconnect_ws
 
 from app.collections.base import Hit, Passage
-from app.collections.service import fuse
+from app.collections.retrieval import fuse
 from app.config import RerankSettings
 from app.main import create_app
 from bench.corpus import generate
@@ -470,3 +470,78 @@ async def test_a_reranker_reorders_and_cancel_stops_a_slow_search(settings, fake
                 rerank.delay = 0.0
                 assert '"status":"cancelled"' in lines[-2]
                 assert fake_model.streamed_requests() == []  # never reached the model
+
+
+async def test_reembedding_is_one_admin_command(settings, fake_model):
+    """Imported without an embeddings model, a collection ranks by BM25 alone; once the
+    model is configured, `python -m app.collections reembed` gives it vectors."""
+    from app.collections.__main__ import run
+
+    plain = settings.replace(embeddings={"model": ""})
+    with serve(create_app(plain)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            collection = await create(h)
+            await add(h, collection["id"], {"quiet.txt": b"A silent room."})
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            assert await search(h, collection["id"], "listen") == []  # no vectors yet
+    said = await run(settings, "reembed", [])
+    assert said == "re-embedded 1 passages in 1 spaces with fake-embed"
+    assert await run(settings, "spaces", []) == collection["id"]
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            found = await search(h, collection["id"], "listen")
+    assert [r["metadata"]["title"] for r in found] == ["quiet.txt"]
+
+
+def test_the_admin_command_runs_from_the_shell(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    env = {"COLLECTIONS_URL": f"tantivy:///{tmp_path}/c", "APP_CONFIG": "", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "app.collections", "reembed"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "re-embedded 0 passages in 0 spaces" in done.stdout
+
+
+async def test_uploads_are_documents_of_their_owners_space_in_the_same_engine(
+    settings, fake_model, tmp_path
+):
+    """`files` in a chat request ride the same retrieval path; an upload made before
+    the engine held uploads (its chunks only in the store) is put in it when asked."""
+    import shutil
+
+    from app.collections.__main__ import run
+
+    def ask(file_id):
+        return chat_body(
+            "when does the ferry leave?",
+            files=[file_id],
+            focusMode="webSearch",
+            copilotEnabled=False,
+        )
+
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            uploaded = await h.post(
+                "/api/uploads", files={"files": ("ferry.txt", b"The ferry leaves at PELICAN.")}
+            )
+            file_id = uploaded.json()["files"][0]["fileId"]
+    assert await run(settings, "spaces", []) == "uploads-1"
+    shutil.rmtree(tmp_path / "collections")  # as before uploads were in the engine
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            events = await sse_chat(h, ask(file_id))
+    sources = next(e for e in events if e.type == "sources").data["data"]
+    assert sources[0]["metadata"] == {"title": "ferry.txt", "url": "File", "fileId": file_id}
+    assert "PELICAN" in sources[0]["pageContent"]
+    assert await run(settings, "spaces", []) == "uploads-1"

@@ -116,6 +116,14 @@ class Engine(abc.ABC):
     async def has_vectors(self, space: str) -> bool:
         """Whether the space's passages have embeddings."""
 
+    @abc.abstractmethod
+    async def has_document(self, space: str, document_id: str) -> bool:
+        """Whether any passage of the document is in the space."""
+
+    @abc.abstractmethod
+    async def spaces(self) -> list[str]:
+        """Every space with passages in it, sorted."""
+
 
 def open_engine(url: str) -> Engine:
     """`tantivy:////abs/folder` (embedded, the default), `milvus:////abs/file.db` (Milvus

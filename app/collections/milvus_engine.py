@@ -26,8 +26,16 @@ PAGE_ROWS = 1000
 FIELDS = ["doc", "n", "page", "title", "url", "text"]
 
 
+PREFIX = "sc_"
+
+
 def _name(space: str) -> str:
-    return "sc_" + "".join(ch if ch.isalnum() else "_" for ch in space)
+    """A Milvus collection name (letters, digits, '_') that gives the space back."""
+    return PREFIX + space.encode().hex()
+
+
+def _space(name: str) -> str:
+    return bytes.fromhex(name[len(PREFIX) :]).decode()
 
 
 def _quoted(values: Sequence[str]) -> str:
@@ -267,3 +275,18 @@ class MilvusEngine(Engine):
 
     async def has_vectors(self, space: str) -> bool:
         return await asyncio.to_thread(lambda: self._exists(space) and self._dims_of(space) > 0)
+
+    async def has_document(self, space: str, document_id: str) -> bool:
+        def found() -> bool:
+            if not self._exists(space):
+                return False
+            rows = self._call(
+                "query", _name(space), filter=f"doc in {_quoted([document_id])}", limit=1
+            )
+            return bool(rows)
+
+        return await asyncio.to_thread(found)
+
+    async def spaces(self) -> list[str]:
+        names = await asyncio.to_thread(self._call, "list_collections")
+        return sorted(_space(n) for n in names if n.startswith(PREFIX))

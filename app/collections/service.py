@@ -10,9 +10,9 @@ searchable once all its passages are in the engine, and `ready` after that; one 
 fails leaves nothing in the engine. The event loop only waits: reading runs in child
 processes, the engine in threads.
 
-Search is hybrid: BM25 over each collection's own statistics, and, with embeddings,
-the nearest passages by cosine; the rankings are fused by reciprocal rank (`fuse`),
-then reranked by `collections.rerank.url` when one is set.
+Search is the one retrieval path (`retrieval.py`): BM25 over each collection's own
+statistics and, with embeddings, the nearest passages, fused by reciprocal rank, then
+reranked by `collections.rerank.url` when one is set.
 
 Who may do what (§7): the owner everything; a user it is shared with may read and
 search it (403 for a change); anyone else gets 404, as for a collection that does not
@@ -28,19 +28,18 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
 import numpy as np
 
 from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
 from ..files.extract import Chunk, chunk_pages, clean, extract_many
 from ..ids import Snowflake
-from ..llm import Embedder
 from ..search.base import SearchResult
 from ..search.reader import Reader
 from ..store import CollectionRecord, DocumentRecord, Store
 from .archive import Entry, Refusal, entries
-from .base import Engine, Hit, Passage
+from .base import Hit, Passage
+from .retrieval import Retriever, embed_texts
 
 log = logging.getLogger("app.collections")
 
@@ -66,60 +65,6 @@ class Progress:
         return {"done": self.done, "total": self.total, "failed": self.failed}
 
 
-def fuse(
-    rankings: Sequence[Sequence[Hit]], k: int = 60, weights: Sequence[float] | None = None
-) -> list[Hit]:
-    """Reciprocal rank fusion: each passage scores Σ w / (k + rank) over the rankings
-    it is in (rank from 1, `w` the ranking's weight, 1 by default); best first, ties
-    in first-seen order. The fused score replaces the engines' scores, which are not
-    on one scale."""
-    scores: dict[tuple[str, str, int], float] = {}
-    hits: dict[tuple[str, str, int], Hit] = {}
-    for i, ranking in enumerate(rankings):
-        weight = weights[i] if weights is not None else 1.0
-        for rank, hit in enumerate(ranking, start=1):
-            scores[hit.key] = scores.get(hit.key, 0.0) + weight / (k + rank)
-            hits.setdefault(hit.key, hit)
-    order = sorted(scores, key=lambda key: -scores[key])
-    return [replace(hits[key], score=scores[key]) for key in order]
-
-
-class Reranker:
-    """A Jina/Cohere-style rerank endpoint: `POST url {model, query, documents, top_n}`
-    → `{"results": [{"index", "relevance_score"}]}`. Raises nothing: a reranker that
-    fails leaves the order as it was (and says so in the log)."""
-
-    def __init__(self, url: str, model: str, api_key: str, timeout: float) -> None:
-        self.url = url
-        self.model = model
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=timeout, headers=headers)
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def rerank(self, query: str, hits: list[Hit]) -> list[Hit]:
-        if len(hits) < 2:
-            return hits
-        body = {
-            "model": self.model,
-            "query": query,
-            "documents": [h.passage.text for h in hits],
-            "top_n": len(hits),
-        }
-        try:
-            response = await self.http.post(self.url, json=body)
-            response.raise_for_status()
-            results = response.json()["results"]
-            order = [(int(r["index"]), float(r["relevance_score"])) for r in results]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log.warning("rerank failed (%s); keeping the fused order", type(exc).__name__)
-            return hits
-        seen = {i for i, _ in order if 0 <= i < len(hits)}
-        ranked = [replace(hits[i], score=s) for i, s in order if 0 <= i < len(hits)]
-        return ranked + [h for i, h in enumerate(hits) if i not in seen]
-
-
 class CollectionService:
     def __init__(
         self,
@@ -127,8 +72,7 @@ class CollectionService:
         uploads: UploadSettings,
         *,
         store: Store,
-        engine: Engine,
-        embedder: Embedder,
+        retriever: Retriever,
         reader: Reader,
         ids: Snowflake,
         spawn: Spawn,
@@ -136,26 +80,13 @@ class CollectionService:
         self.settings = settings
         self.uploads = uploads
         self.store = store
-        self.engine = engine
-        self.embedder = embedder
+        self.retriever = retriever
+        self.engine = retriever.engine
+        self.embedder = retriever.embedder
         self.reader = reader
         self.ids = ids
         self.spawn = spawn
-        self.reranker = (
-            Reranker(
-                settings.rerank.url,
-                settings.rerank.model,
-                settings.rerank.api_key,
-                settings.rerank.timeout_seconds,
-            )
-            if settings.rerank.url
-            else None
-        )
         self._importing = asyncio.Semaphore(max(1, settings.import_concurrency))
-
-    async def aclose(self) -> None:
-        if self.reranker is not None:
-            await self.reranker.aclose()
 
     # -- collections ----------------------------------------------------------------------
 
@@ -174,9 +105,7 @@ class CollectionService:
         """The collection, if `user_id` owns it or it is shared with them; else
         `NotFound` (another user's collection is not even said to exist)."""
         record = await self.store.get_collection(collection_id)
-        if record is None or record.private and record.owner != user_id:
-            raise NotFound("no such collection")
-        if record.owner != user_id and user_id not in record.shared:
+        if record is None or record.owner != user_id and user_id not in record.shared:
             raise NotFound("no such collection")
         return record
 
@@ -450,14 +379,7 @@ class CollectionService:
         return out
 
     async def _embed(self, texts: list[str]) -> np.ndarray | None:
-        """The texts' embeddings in batches, or None without an embeddings model."""
-        if not self.embedder.configured or not texts:
-            return None
-        batch = max(1, self.uploads.embed_batch)
-        parts = [
-            await self.embedder.embed(texts[i : i + batch]) for i in range(0, len(texts), batch)
-        ]
-        return np.vstack(parts).astype(np.float32)
+        return await embed_texts(self.embedder, texts, self.uploads.embed_batch)
 
     async def progress(self, user_id: str, collection_id: str, import_id: str) -> Progress:
         await self.readable(user_id, collection_id)
@@ -474,61 +396,14 @@ class CollectionService:
 
     # -- search -----------------------------------------------------------------------------
 
-    async def search(
-        self,
-        collections: Sequence[str],
-        query: str,
-        limit: int,
-        documents: Sequence[str] | None = None,
-    ) -> list[Hit]:
-        """The `limit` best passages of these collections (spaces) for `query`: BM25 and,
-        with embeddings, nearest vectors — each collection's own rankings — fused by
-        reciprocal rank and reranked when a reranker is set. Cancelling is safe."""
-        if not collections:
-            return []
-        depth = max(limit, self.settings.candidates)
-        searches = [self.engine.lexical(c, query, depth, documents) for c in collections]
-        if self.embedder.configured:
-            try:
-                vector = (await self.embedder.embed([query]))[0]
-            except AppError as exc:
-                log.info("query not embedded (%s): ranking passages with BM25", exc.message)
-            else:
-                searches += [self.engine.nearest(c, vector, depth, documents) for c in collections]
-        rankings = await asyncio.gather(*searches)
-        weights = [1.0] * len(collections)
-        weights += [self.settings.dense_weight] * (len(rankings) - len(collections))
-        fused = fuse(rankings, self.settings.rrf_k, weights)
-        if self.reranker is not None:
-            fused = await self.reranker.rerank(query, fused[: max(limit * 3, limit)])
-        return fused[:limit]
+    async def search(self, collections: Sequence[str], query: str, limit: int) -> list[Hit]:
+        """The `limit` best passages of these collections for `query` (`Retriever`)."""
+        return await self.retriever.search(collections, query, limit)
 
     def searcher(
         self, collections: Sequence[CollectionRecord], limit: int | None = None
     ) -> CollectionSearch:
         return CollectionSearch(self, [c.id for c in collections], limit or self.settings.passages)
-
-    # -- admin --------------------------------------------------------------------------------
-
-    async def reembed(self, collection_ids: Sequence[str]) -> int:
-        """Embed every passage of these collections again with the configured model
-        (after the model changed); returns how many passages. Without an embeddings
-        model the vectors are removed (BM25 alone ranks)."""
-        count = 0
-        for collection_id in collection_ids:
-            by_document: dict[str, list[Passage]] = {}
-            for p in await self.engine.passages(collection_id):
-                by_document.setdefault(p.document_id, []).append(p)
-            # every vector first: a model that fails leaves the collection as it was
-            embedded = [
-                (group, await self._embed([p.text for p in group]))
-                for group in by_document.values()
-            ]
-            await self.engine.drop(collection_id)  # the vectors' width may have changed
-            for group, vectors in embedded:
-                await self.engine.add(collection_id, group, vectors)
-                count += len(group)
-        return count
 
 
 @dataclass(frozen=True, slots=True)

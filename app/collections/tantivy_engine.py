@@ -361,6 +361,20 @@ class TantivyEngine(Engine):
         )
         return bool(rows)
 
+    async def has_document(self, space: str, document_id: str) -> bool:
+        rows = await asyncio.to_thread(
+            self._sql,
+            "SELECT 1 FROM passages WHERE space = ? AND document_id = ? LIMIT 1",
+            (space, document_id),
+        )
+        return bool(rows)
+
+    async def spaces(self) -> list[str]:
+        rows = await asyncio.to_thread(
+            self._sql, "SELECT DISTINCT space FROM passages ORDER BY space"
+        )
+        return [r[0] for r in rows]
+
 
 def _safe(space: str) -> str:
     """A space's folder name: ids are letters, digits, '_' and '-' already (anything

@@ -96,15 +96,13 @@ class StoredChunk:
 @dataclass(frozen=True, slots=True)
 class CollectionRecord:
     """A knowledge collection (PROTOCOL §12): owned by `owner`, readable by the users in
-    `shared`. A `private` one holds a user's uploads and is never listed. `documents`
-    and `chunks` are counted when it is read."""
+    `shared`. `documents` and `chunks` are counted when it is read."""
 
     id: str
     owner: str
     name: str
     description: str
     created_at: float
-    private: bool = False
     shared: tuple[str, ...] = ()
     documents: int = 0
     chunks: int = 0
@@ -206,7 +204,7 @@ CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 FILE_COLUMNS = "id, user_id, name, kind, size, created_at, status, pages, chunks, error"
 
 
-COLLECTION_COLUMNS = "id, owner, name, description, created_at, private"
+COLLECTION_COLUMNS = "id, owner, name, description, created_at"
 DOCUMENT_COLUMNS = (
     "id, collection_id, import_id, title, kind, size, created_at, url, status, pages, chunks,"
     " error, code"
@@ -222,12 +220,9 @@ COLLECTION_COUNTS = (
 SELECT_COLLECTION = f"SELECT {COLLECTION_COLUMNS}, {COLLECTION_COUNTS} FROM collections c"
 SQL_GET_COLLECTION = f"{SELECT_COLLECTION} WHERE c.id = ?"
 SQL_LIST_COLLECTIONS = (
-    f"{SELECT_COLLECTION} WHERE NOT c.private AND (c.owner = ? OR c.id IN"
-    " (SELECT collection_id FROM collection_shares WHERE user_id = ?))"
+    f"{SELECT_COLLECTION} WHERE c.owner = ? OR c.id IN"
+    " (SELECT collection_id FROM collection_shares WHERE user_id = ?)"
     " ORDER BY c.created_at DESC, c.id"
-)
-SQL_PRIVATE_COLLECTION = (
-    f"{SELECT_COLLECTION} WHERE c.private AND c.owner = ? ORDER BY c.created_at LIMIT 1"
 )
 SQL_SHARES = "SELECT collection_id, user_id FROM collection_shares WHERE collection_id = ANY_OF"
 SQL_ADD_DOCUMENT = (
@@ -262,7 +257,6 @@ def collection_from_row(
         name=row[2],
         description=row[3],
         created_at=row[4],
-        private=bool(row[5]),
         shared=tuple(shared),
         documents=int(documents or 0),
         chunks=int(chunks or 0),
@@ -562,12 +556,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list_collections(self, user_id: str) -> list[CollectionRecord]:
-        """The user's collections and those shared with them (never private ones),
-        newest first."""
-
-    @abc.abstractmethod
-    async def private_collection(self, user_id: str) -> CollectionRecord | None:
-        """The user's private collection (their uploads), if made."""
+        """The user's collections and those shared with them, newest first."""
 
     @abc.abstractmethod
     async def update_collection(self, record: CollectionRecord) -> None:

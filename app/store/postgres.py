@@ -28,7 +28,6 @@ from .base import (
     SQL_IMPORT_DOCUMENTS,
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
-    SQL_PRIVATE_COLLECTION,
     SQL_SHARES,
     Chat,
     CollectionRecord,
@@ -153,8 +152,7 @@ MIGRATIONS = (
         owner TEXT NOT NULL,
         name TEXT NOT NULL,
         description TEXT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        private BOOLEAN NOT NULL DEFAULT false
+        created_at DOUBLE PRECISION NOT NULL
     );
     CREATE INDEX collections_by_owner ON collections (owner, created_at);
     CREATE TABLE collection_shares (
@@ -551,13 +549,12 @@ class PostgresStore(Store):
     async def add_collection(self, record: CollectionRecord) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(
-                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)",
+                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES ($1, $2, $3, $4, $5)",
                 record.id,
                 record.owner,
                 record.name,
                 record.description,
                 record.created_at,
-                record.private,
             )
             await conn.executemany(
                 "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
@@ -573,7 +570,7 @@ class PostgresStore(Store):
             [row[0] for row in rows],
         ):
             shares.setdefault(collection_id, []).append(user)
-        return [collection_from_row(tuple(r), shares.get(r[0], ()), r[6], r[7]) for r in rows]
+        return [collection_from_row(tuple(r), shares.get(r[0], ()), r[5], r[6]) for r in rows]
 
     @mapped
     async def get_collection(self, collection_id: str) -> CollectionRecord | None:
@@ -585,12 +582,6 @@ class PostgresStore(Store):
     async def list_collections(self, user_id: str) -> list[CollectionRecord]:
         rows = await self.pool.fetch(numbered(SQL_LIST_COLLECTIONS), user_id, user_id)
         return await self._with_shares(rows)
-
-    @mapped
-    async def private_collection(self, user_id: str) -> CollectionRecord | None:
-        rows = await self.pool.fetch(numbered(SQL_PRIVATE_COLLECTION), user_id)
-        found = await self._with_shares(rows)
-        return found[0] if found else None
 
     @mapped
     async def update_collection(self, record: CollectionRecord) -> None:

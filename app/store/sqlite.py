@@ -34,7 +34,6 @@ from .base import (
     SQL_IMPORT_DOCUMENTS,
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
-    SQL_PRIVATE_COLLECTION,
     SQL_SHARES,
     Chat,
     CollectionRecord,
@@ -175,8 +174,7 @@ MIGRATIONS = (
         owner TEXT NOT NULL,
         name TEXT NOT NULL,
         description TEXT NOT NULL,
-        created_at REAL NOT NULL,
-        private INTEGER NOT NULL DEFAULT 0
+        created_at REAL NOT NULL
     );
     CREATE INDEX collections_by_owner ON collections (owner, created_at);
     CREATE TABLE collection_shares (
@@ -587,14 +585,13 @@ class SQLiteStore(Store):
     async def add_collection(self, record: CollectionRecord) -> None:
         async with self._transaction() as db:
             await db.execute(
-                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
                 (
                     record.id,
                     record.owner,
                     record.name,
                     record.description,
                     record.created_at,
-                    int(record.private),
                 ),
             )
             await db.executemany(
@@ -612,7 +609,7 @@ class SQLiteStore(Store):
             SQL_SHARES.replace("= ANY_OF", f"IN ({marks})") + " ORDER BY user_id", tuple(ids)
         ):
             shares.setdefault(collection_id, []).append(user)
-        return [collection_from_row(r, shares.get(r[0], ()), r[6], r[7]) for r in rows]
+        return [collection_from_row(r, shares.get(r[0], ()), r[5], r[6]) for r in rows]
 
     @mapped
     async def get_collection(self, collection_id: str) -> CollectionRecord | None:
@@ -622,11 +619,6 @@ class SQLiteStore(Store):
     @mapped
     async def list_collections(self, user_id: str) -> list[CollectionRecord]:
         return await self._with_shares(await self._rows(SQL_LIST_COLLECTIONS, (user_id, user_id)))
-
-    @mapped
-    async def private_collection(self, user_id: str) -> CollectionRecord | None:
-        found = await self._with_shares(await self._rows(SQL_PRIVATE_COLLECTION, (user_id,)))
-        return found[0] if found else None
 
     @mapped
     async def update_collection(self, record: CollectionRecord) -> None:
