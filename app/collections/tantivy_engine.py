@@ -280,20 +280,24 @@ class TantivyEngine(Engine):
         return self._hits(space, keys)
 
     def _hits(self, space: str, keys: list[tuple[str, int, float]]) -> list[Hit]:
-        """The passages of these (document, n, score), in the same order."""
-        if not keys:
-            return []
-        marks = " OR ".join("(document_id = ? AND n = ?)" for _ in keys)
-        params: list[Any] = [space]
-        for document_id, n, _ in keys:
-            params += [document_id, n]
-        rows = self._sql(
-            "SELECT document_id, n, page, title, url, text FROM passages"
-            f" WHERE space = ? AND ({marks})",
-            params,
-        )
-        by_key = {(r[0], r[1]): Passage(*r) for r in rows}
-        return [Hit(space, by_key[(d, n)], score) for d, n, score in keys if (d, n) in by_key]
+        """The passages of these (document, n, score), in the same order (one lookup of
+        the primary key each: an OR of them all makes SQLite scan the space)."""
+        if self._db is None:
+            raise EngineError("the collections engine is closed")
+        out = []
+        with self._lock:
+            try:
+                for document_id, n, score in keys:
+                    row = self._db.execute(
+                        "SELECT document_id, n, page, title, url, text FROM passages"
+                        " WHERE space = ? AND document_id = ? AND n = ?",
+                        (space, document_id, n),
+                    ).fetchone()
+                    if row is not None:
+                        out.append(Hit(space, Passage(*row), score))
+            except sqlite3.Error as exc:
+                raise EngineError(f"the collections engine failed: {exc}") from exc
+        return out
 
     async def nearest(
         self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
