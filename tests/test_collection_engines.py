@@ -121,3 +121,28 @@ async def test_bm25_ranks_as_the_reference_implementation_does(engine: Engine):
         theirs.append(ndcg_at_10(list(dict.fromkeys(want)), str(q.answer)))
     assert abs(sum(ours) / len(ours) - sum(theirs) / len(theirs)) <= 0.01
     assert sum(ours) / len(ours) > 0.8
+
+
+async def test_a_large_space_finds_the_nearest_through_its_bits(tmp_path, monkeypatch):
+    """Past `QUANTIZE_ROWS` passages the embedded engine takes candidates by the signs of
+    the vectors and rescores them exactly: the same ten nearest as brute force."""
+    from app.collections import tantivy_engine
+
+    monkeypatch.setattr(tantivy_engine, "QUANTIZE_ROWS", 1000)
+    rng = np.random.default_rng(1)
+    centers = rng.standard_normal((40, 128)).astype(np.float32)
+    vectors = centers[rng.integers(0, 40, 3000)] + 0.6 * rng.standard_normal((3000, 128))
+    passages = [passage(f"d{i}", f"text {i}") for i in range(3000)]
+    async with open_engine(f"tantivy:///{tmp_path}/q") as engine:
+        await engine.add("big", passages, vectors.astype(np.float32))
+        queries = centers[:10] + 0.6 * rng.standard_normal((10, 128))
+        unit_rows = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        agree = 0
+        for q in queries.astype(np.float32):
+            got = [h.passage.document_id for h in await engine.nearest("big", q, 10)]
+            exact = np.argsort(-(unit_rows @ (q / np.linalg.norm(q))))[:10]
+            agree += len(set(got) & {f"d{i}" for i in exact})
+            kept = await engine.nearest("big", q, 3, documents=["d5", "d7"])
+            assert {h.passage.document_id for h in kept} <= {"d5", "d7"} and kept
+        assert engine._vectors["big"].codes is not None  # the two-step path ran
+        assert agree >= 95  # of 100

@@ -55,13 +55,62 @@ def _schema() -> tantivy.Schema:
     return builder.build()
 
 
+#: from this many passages on, the nearest are found in two steps (see `_Vectors`)
+QUANTIZE_ROWS = 20_000
+RESCORE_PER_RESULT = 10
+
+
 @dataclass
 class _Vectors:
-    """A space's embeddings as unit rows, and which passage each row is."""
+    """A space's embeddings as unit rows, and which passage each row is.
+
+    A large space also keeps one bit per dimension (the sign of the row minus the
+    space's mean row): its nearest passages are the best by cosine among the
+    `RESCORE_PER_RESULT` × limit whose bits differ least from the query's. Reading
+    100k rows of 384 floats takes ~90 ms on one core here (memory bandwidth); their
+    bits are 32 times less to read."""
 
     version: int
     keys: list[tuple[str, int]] = field(default_factory=list)
     matrix: np.ndarray | None = None
+    mean: np.ndarray | None = None
+    codes: np.ndarray | None = None
+
+    def quantize(self) -> None:
+        if self.matrix is None or len(self.matrix) < QUANTIZE_ROWS:
+            return
+        self.mean = self.matrix.mean(axis=0)
+        self.codes = _bits(self.matrix - self.mean)
+
+    def scores(self, query: np.ndarray, limit: int, mask: np.ndarray | None) -> np.ndarray:
+        """Every row's cosine with `query` (-inf where `mask` is False); in a large
+        space -inf too for the rows that were not candidates."""
+        assert self.matrix is not None
+        if self.codes is None or self.mean is None:
+            exact: np.ndarray = self.matrix @ query
+            return np.where(mask, exact, -np.inf) if mask is not None else exact
+        distance = np.bitwise_count(self.codes ^ _bits(query - self.mean)).sum(
+            axis=1, dtype=np.uint32
+        )
+        if mask is not None:
+            distance = np.where(mask, distance, np.iinfo(np.uint32).max)
+        wanted = min(len(distance), RESCORE_PER_RESULT * limit)
+        rows = (
+            np.argpartition(distance, wanted - 1)[:wanted]
+            if wanted < len(distance)
+            else np.arange(len(distance))
+        )
+        scores = np.full(len(self.matrix), -np.inf, dtype=np.float32)
+        scores[rows] = self.matrix[rows] @ query
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        return scores
+
+
+def _bits(rows: np.ndarray) -> np.ndarray:
+    """Signs as packed bits (a view of 64-bit words when the width allows)."""
+    packed = np.packbits(rows > 0, axis=-1)
+    return packed.view(np.uint64) if packed.shape[-1] % 8 == 0 else packed
 
 
 class TantivyEngine(Engine):
@@ -313,11 +362,11 @@ class TantivyEngine(Engine):
         query = unit(vector)[0]
         if query.shape[0] != cached.matrix.shape[1]:
             return []  # embedded by another model: `python -m app.collections reembed`
-        scores = cached.matrix @ query
+        mask = None
         if documents is not None:
             wanted = set(documents)
             mask = np.fromiter((k[0] in wanted for k in cached.keys), bool, len(cached.keys))
-            scores = np.where(mask, scores, -np.inf)
+        scores = cached.scores(query, limit, mask)
         k = min(limit, len(scores))
         best = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
         best = best[np.argsort(-scores[best], kind="stable")]
@@ -345,6 +394,7 @@ class TantivyEngine(Engine):
                 fresh.keys = [(r[0], r[1]) for r in found]
                 raw = np.frombuffer(b"".join(r[2] for r in found), dtype=np.float32)
                 fresh.matrix = unit(raw.reshape(len(found), -1))
+                fresh.quantize()
         self._vectors[space] = fresh
         return fresh
 
