@@ -5,8 +5,9 @@ made by a BM25 function from the text, scored over the collection's statistics).
 tests run); `milvus://host:19530` (or `milvus+https://host`) talks to a Milvus server
 or cluster — the same code, so a deployment that outgrows one machine changes a URL.
 A query string may carry `token` and `db`. Each space is one Milvus collection
-(`sc_<space>`), so BM25 statistics are per knowledge collection. The client is
-synchronous; every call runs in a thread.
+(`sc_<hex of the space>`), so BM25 statistics are per knowledge collection, with
+"Session" consistency: a process reads its own writes at once, other processes within
+Milvus's staleness bound. The client is synchronous; every call runs in a thread.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class MilvusEngine(Engine):
             _name(space),
             schema=schema,
             index_params=index,
-            consistency_level="Strong",
+            consistency_level="Session",
         )
 
     def _dims_of(self, space: str) -> int:
