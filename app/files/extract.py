@@ -15,6 +15,7 @@ import asyncio
 import io
 import os
 import re
+import subprocess
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -83,28 +84,11 @@ async def extract(
     Raises `BadRequest`: 415 a type it does not read, 413 too many pages or too large
     unpacked, 422 broken, encrypted, without text, or not read within `timeout` s."""
     kind = kind_of(name)
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "app.files.extract",
-        kind,
-        str(max_pages),
-        str(max(1, int(timeout))),
-        str(chunk_tokens),
-        str(overlap),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    args = [kind, str(max_pages), str(max(1, int(timeout))), str(chunk_tokens), str(overlap)]
     try:
-        async with asyncio.timeout(timeout):
-            out, _ = await child.communicate(data)
+        out = await run_child(args, data, timeout)
     except TimeoutError as exc:
         raise Unreadable(f"{name!r} took longer than {timeout:g} s to read") from exc
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
     try:
         answer = orjson.loads(out)
     except orjson.JSONDecodeError as exc:
@@ -160,31 +144,14 @@ async def extract_many(
             out.append(None)
         frames += [kind.encode().ljust(8), len(data).to_bytes(8, "big"), data]
     budget = timeout * len(items)
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "app.files.extract",
-        "batch",
-        str(max_pages),
-        str(max(1, int(budget))),
-        str(chunk_tokens),
-        str(overlap),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    args = ["batch", str(max_pages), str(max(1, int(budget))), str(chunk_tokens), str(overlap)]
     try:
-        async with asyncio.timeout(budget):
-            raw, _ = await child.communicate(b"".join(frames))
+        raw = await run_child(args, b"".join(frames), budget)
         answers = orjson.loads(raw)
         if not isinstance(answers, list) or len(answers) != len(items):
             raise ValueError("short answer")
     except (TimeoutError, ValueError, orjson.JSONDecodeError):
         answers = None
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
     results: list[Extracted | BadRequest] = []
     for i, (name, data) in enumerate(items):
         refused = out[i]
@@ -205,6 +172,43 @@ async def extract_many(
             except BadRequest as exc:
                 results.append(exc)
     return results
+
+
+async def run_child(args: Sequence[str], data: bytes, timeout: float) -> bytes:
+    """What `python -m app.files.extract ARGS` writes for `data` on its stdin; raises
+    `TimeoutError` (the child killed) after `timeout` s. The child is started and waited
+    on in a thread with the standard library's `subprocess` (vfork: a couple of ms
+    whatever the server's size): uvloop's spawn forks, which copies the page tables of
+    the whole server with the event loop held — ~150 ms at 1.5 GB, a stall of every
+    stream. Cancelling is safe: the child is killed (at the latest at `timeout`)."""
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        return await asyncio.to_thread(_run_child, list(args), data, timeout, started)
+    except subprocess.TimeoutExpired as exc:
+        raise TimeoutError from exc
+    except asyncio.CancelledError:
+        for child in started:
+            child.kill()  # its thread's communicate() then returns, and reaps it
+        raise
+
+
+def _run_child(
+    args: list[str], data: bytes, timeout: float, started: list[subprocess.Popen[bytes]]
+) -> bytes:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "app.files.extract", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    started.append(child)
+    try:
+        out, _ = child.communicate(data, timeout)
+        return out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def _extracted(name: str, answer: dict[str, object]) -> Extracted:
