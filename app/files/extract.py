@@ -20,6 +20,7 @@ import sys
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -86,11 +87,9 @@ async def extract(
     kind = kind_of(name)
     args = [kind, str(max_pages), str(max(1, int(timeout))), str(chunk_tokens), str(overlap)]
     try:
-        out = await run_child(args, data, timeout)
+        answer = await run_child(args, [data], timeout)
     except TimeoutError as exc:
         raise Unreadable(f"{name!r} took longer than {timeout:g} s to read") from exc
-    try:
-        answer = orjson.loads(out)
     except orjson.JSONDecodeError as exc:
         raise Unreadable(f"{name!r} could not be read (the reader stopped)") from exc
     if "error" in answer:
@@ -146,8 +145,7 @@ async def extract_many(
     budget = timeout * len(items)
     args = ["batch", str(max_pages), str(max(1, int(budget))), str(chunk_tokens), str(overlap)]
     try:
-        raw = await run_child(args, b"".join(frames), budget)
-        answers = orjson.loads(raw)
+        answers = await run_child(args, frames, budget)
         if not isinstance(answers, list) or len(answers) != len(items):
             raise ValueError("short answer")
     except (TimeoutError, ValueError, orjson.JSONDecodeError):
@@ -174,9 +172,12 @@ async def extract_many(
     return results
 
 
-async def run_child(args: Sequence[str], data: bytes, timeout: float) -> bytes:
-    """What `python -m app.files.extract ARGS` writes for `data` on its stdin; raises
-    `TimeoutError` (the child killed) after `timeout` s. The child is started and waited
+async def run_child(args: Sequence[str], data: list[bytes], timeout: float) -> Any:
+    """The JSON that `python -m app.files.extract ARGS` writes for `data` (joined) on its
+    stdin; raises `TimeoutError` (the child killed) after `timeout` s, and
+    `orjson.JSONDecodeError` when the child wrote no JSON (it crashed). Joining the
+    input and decoding the answer happen in the thread too: for a batch they are
+    megabytes. The child is started and waited
     on in a thread with the standard library's `subprocess` (vfork: a couple of ms
     whatever the server's size): uvloop's spawn forks, which copies the page tables of
     the whole server with the event loop held — ~150 ms at 1.5 GB, a stall of every
@@ -193,8 +194,8 @@ async def run_child(args: Sequence[str], data: bytes, timeout: float) -> bytes:
 
 
 def _run_child(
-    args: list[str], data: bytes, timeout: float, started: list[subprocess.Popen[bytes]]
-) -> bytes:
+    args: list[str], data: list[bytes], timeout: float, started: list[subprocess.Popen[bytes]]
+) -> Any:
     child = subprocess.Popen(
         [sys.executable, "-m", "app.files.extract", *args],
         stdin=subprocess.PIPE,
@@ -203,8 +204,8 @@ def _run_child(
     )
     started.append(child)
     try:
-        out, _ = child.communicate(data, timeout)
-        return out
+        out, _ = child.communicate(b"".join(data), timeout)
+        return orjson.loads(out)
     finally:
         if child.poll() is None:
             child.kill()
