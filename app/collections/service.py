@@ -289,31 +289,28 @@ class CollectionService:
         documents that were read go into the engine together (one commit)."""
         async with self._importing:
             started = time.monotonic()
-            read: list[tuple[DocumentRecord, int, list[Passage], np.ndarray | None]] = []
+            read: list[tuple[DocumentRecord, int, list[Passage]]] = []
             for record, pages, passages in await self._read(batch):
-                try:
-                    if isinstance(passages, AppError):
-                        raise passages
-                    read.append(
-                        (record, pages, passages, await self._embed([p.text for p in passages]))
-                    )
-                except Exception as exc:  # whatever it was, the document says it failed
-                    await self._failed(record, exc)
+                if isinstance(passages, AppError):
+                    await self._failed(record, passages)
+                else:
+                    read.append((record, pages, passages))
             if not read:
                 return
-            everything = [p for _, _, passages, _ in read for p in passages]
-            vectors = (
-                np.vstack([v for *_, v in read if v is not None])
-                if all(v is not None for *_, v in read)
-                else None
-            )
+            everything = [p for _, _, passages in read for p in passages]
+            try:  # the batch's passages together: fewer, fuller requests to the model
+                vectors = await self._embed([p.text for p in everything])
+            except Exception as exc:
+                for record, *_ in read:
+                    await self._failed(record, exc)
+                return
             try:
                 await self.engine.add(read[0][0].collection_id, everything, vectors)
             except Exception as exc:
                 for record, *_ in read:
                     await self._failed(record, exc)
                 return
-            for record, pages, passages, _ in read:
+            for record, pages, passages in read:
                 ready = replace(record, status="ready", pages=pages, chunks=len(passages))
                 await self.store.finish_document(ready)
             log.info(
