@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,15 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat.service import ChatService
+from .demo import is_demo
 from .errors import BadRequest, NotFound
+from .events import FOCUS_MODES
 from .files.extract import kind_of
 from .files.service import clean_name
 from .protocol import (
-    FOCUS_MODES,
     FORMATS,
     OPTIMIZATION_MODES,
+    is_number,
     parse_control,
     parse_history,
     parse_id,
@@ -67,7 +70,7 @@ def _user(request: Request) -> str:
 @json_errors
 async def list_chats(request: Request) -> Response:
     limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+    if not is_number(limit, 4) or not 1 <= int(limit) <= 1000:
         raise BadRequest("limit must be a number from 1 to 1000")
     chats, files = await _service(request).list_chats(_user(request), int(limit))
     return JSONResponse({"chats": [chat_json(chat, files.get(chat.id, [])) for chat in chats]})
@@ -182,12 +185,15 @@ async def config(request: Request) -> Response:
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
             "searchProvider": choose_provider(settings).name,
-            "searchProblem": search_problem(settings),
+            "searchProblem": search_problem(settings) or request.app.state.service.search_problem,
             "readerProvider": settings.reader.provider,
             "chatModel": settings.llm.model,
             "smallModel": settings.llm.effective_small_model,
             "embeddingModel": settings.embeddings.model,
-            "authRequired": bool(settings.auth.api_keys),
+            "authRequired": request.app.state.identity.enabled,
+            "authMode": request.app.state.identity.mode,
+            "demo": is_demo(settings.llm.base_url),
+            "modelProblem": request.app.state.service.model_problem,
         }
     )
 
@@ -243,28 +249,32 @@ async def cancel(request: Request) -> Response:
 async def usage(request: Request) -> Response:
     """`GET /api/usage?userId=&since=`: what the user's answers cost, per model and in
     all (tokens as the model counted them, or estimated where it did not)."""
+    return JSONResponse(await usage_json(request, _user(request)))
+
+
+async def usage_json(request: Request, user_id: str) -> dict[str, Any]:
+    """What `user_id`'s answers since `?since=` (Unix seconds) cost, as `/api/usage` says."""
     since_text = request.query_params.get("since", "0")
     try:
         since = float(since_text)
     except ValueError as exc:
         raise BadRequest("since must be Unix seconds") from exc
-    user_id = _user(request)
+    if not math.isfinite(since):
+        raise BadRequest("since must be Unix seconds")
     rows = await _service(request).usage(user_id, since)
     total = {
         key: sum(row.to_json()[key] for row in rows)
         for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
     }
-    return JSONResponse(
-        {
-            "userId": user_id,
-            "since": since,
-            "models": [
-                {"model": r.model, "answers": r.answers, "estimated": r.estimated, **r.to_json()}
-                for r in rows
-            ],
-            "total": {"answers": sum(r.answers for r in rows), **total},
-        }
-    )
+    return {
+        "userId": user_id,
+        "since": since,
+        "models": [
+            {"model": r.model, "answers": r.answers, "estimated": r.estimated, **r.to_json()}
+            for r in rows
+        ],
+        "total": {"answers": sum(r.answers for r in rows), **total},
+    }
 
 
 async def healthz(request: Request) -> Response:
@@ -278,7 +288,11 @@ async def readyz(request: Request) -> Response:
     failing = await service.health()
     if failing:
         return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
-    return JSONResponse({"status": "ready"})
+    ready: dict[str, object] = {"status": "ready"}
+    warnings = {"model": service.model_problem, "search": service.search_problem}
+    if any(warnings.values()):  # ready all the same: either may come back
+        ready["warnings"] = {name: text for name, text in warnings.items() if text}
+    return JSONResponse(ready)
 
 
 async def metrics(request: Request) -> Response:
@@ -346,10 +360,7 @@ async def upload(request: Request) -> Response:
     if wait:
         records = [await service.files.upload(user_id, name, data) for name, data in files]
     else:
-        records = [
-            await service.files.upload_later(user_id, name, data, service.spawn)
-            for name, data in files
-        ]
+        records = [await service.files.upload_later(user_id, name, data) for name, data in files]
     return JSONResponse(
         {
             "files": [
@@ -372,7 +383,7 @@ async def read_form(
     """A multipart body of at most `limit` bytes and `max_files` files (413 past the
     size, read to its end first)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and is_number(declared) and int(declared) > limit:
         await read_json(request, limit)  # reads it to its end, then says 413
     size = 0
 

@@ -14,6 +14,7 @@ and in memory otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 import time
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
 WINDOW_SECONDS = 60
+REDIS_SECONDS = 2.0  # a Redis that does not answer in this long counts as away
 
 
 class Auth:
@@ -101,12 +103,13 @@ class RateLimiter:
         if self.redis is not None:
             key = f"sc:rate:{who}:{window}"
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.incr(key)
-                    pipe.expire(key, WINDOW_SECONDS * 2)
-                    count, _ = await pipe.execute()
+                async with asyncio.timeout(REDIS_SECONDS):
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.incr(key)
+                        pipe.expire(key, WINDOW_SECONDS * 2)
+                        count, _ = await pipe.execute()
                 return int(count)
-            except (RedisError, OSError):
+            except (RedisError, OSError, TimeoutError):
                 pass  # Redis is away: count in this process rather than refuse everyone
         if len(self._counts) > 10_000:
             self._counts = {k: v for k, v in self._counts.items() if k[1] >= window}

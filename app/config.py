@@ -36,12 +36,18 @@ class ServerSettings:
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
     #: the most a request's headers may take, in bytes (larger: 431)
     max_header_bytes: int = 16384
+    #: a connection whose request line and headers have not all come in this long: 408
+    header_timeout_seconds: float = 10.0
+    #: a request body that stops arriving for this long: the connection is closed
+    body_timeout_seconds: float = 10.0
+    #: connections open at once from one client address (trusted proxies excepted)
+    max_connections_per_address: int = 256
 
 
 @dataclass(frozen=True)
 class LLMSettings:
     base_url: str = "https://api.deepseek.com/v1"
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     model: str = "deepseek-reasoner"
     small_model: str = ""
     timeout_seconds: float = 600.0
@@ -56,7 +62,7 @@ class LLMSettings:
 @dataclass(frozen=True)
 class EmbeddingsSettings:
     base_url: str = ""
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     model: str = ""
 
 
@@ -84,7 +90,7 @@ class DdgsSettings:
 
 @dataclass(frozen=True)
 class TavilySettings:
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     base_url: str = "https://api.tavily.com"
 
 
@@ -95,7 +101,7 @@ class SearxngSettings:
 
 @dataclass(frozen=True)
 class GoogleSettings:
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     cse_id: str = ""
     base_url: str = "https://www.googleapis.com"
 
@@ -104,7 +110,7 @@ class GoogleSettings:
 class ReaderSettings:
     provider: str = "jina"
     base_url: str = "https://r.jina.ai"
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     timeout_seconds: float = 15.0
     allow_private_networks: bool = False
 
@@ -161,14 +167,18 @@ class CollectionSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    url: str = "sqlite:///data/chat.db"
+    url: str = field(default="sqlite:///data/chat.db", repr=False)  # it may hold a password
     pool_size: int = 10  # Postgres connections per worker, at most
     statement_cache_size: int = 100  # 0 behind PgBouncer in transaction mode
 
 
 @dataclass(frozen=True)
 class RedisSettings:
-    url: str = ""
+    url: str = field(default="", repr=False)  # it may hold a password
+    #: the longest one call may take (connecting, or an answer): a Redis that stops
+    #: answering fails like one that refuses
+    timeout_seconds: float = 2.0
+    max_connections: int = 64  # per process; a call waits at most timeout_seconds for one
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,14 @@ class StreamSettings:
     replay_ttl_seconds: float = 300.0
     max_queue_events: int = 1024
     handle_ttl_seconds: float = 15.0
+    #: without Redis (or while it is away): how often a running answer is saved as far
+    #: as it got, so a crash loses at most this much of it
     flush_interval_ms: float = 200.0
+    #: with Redis: how long new events wait to share one journal write (group commit);
+    #: an event reaches readers once that write is acknowledged
+    commit_linger_ms: float = 5.0
+    #: how long a browser's EventSource waits before it reconnects (SSE `retry:`)
+    retry_ms: int = 2000
     client_timeout_seconds: float = 30.0
 
 
@@ -187,12 +204,60 @@ class LimitsSettings:
     requests_per_minute: int = 0
     max_history_messages: int = 200
     max_concurrent_generations: int = 16
+    #: answers one process runs at once, whoever asks (503 with Retry-After past it)
+    max_generations_per_process: int = 500
     ws_messages_per_second: float = 20.0
+    #: tokens a user's answers may use per UTC day (0: no quota); an admin may set
+    #: another number per user
+    tokens_per_day: int = 0
+
+
+@dataclass(frozen=True)
+class OidcSettings:
+    """Sign-in with an OpenID Connect provider (`[auth.oidc]`, env `AUTH_OIDC_*`)."""
+
+    issuer: str = ""
+    client_id: str = ""
+    client_secret: str = field(default="", repr=False)
+    #: what the sign-in button says ("Sign in with <name>"); empty: the issuer's host
+    name: str = ""
+    scopes: tuple[str, ...] = ("openid", "email", "profile")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.issuer and self.client_id)
+
+
+@dataclass(frozen=True)
+class JwtSettings:
+    """Bearer JWTs from an app's own identity provider (`[auth.jwt]`, env `AUTH_JWT_*`):
+    keys from `issuer`'s discovery document or from `jwks_url`; or one HS256 `secret`."""
+
+    issuer: str = ""
+    jwks_url: str = ""
+    audience: str = ""
+    secret: str = field(default="", repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.issuer or self.jwks_url or self.secret)
+
+
+#: auth.mode: no auth, static keys (auth.api_keys), or accounts
+AUTH_MODES = ("off", "keys", "accounts")
+SIGNUP_RULES = ("open", "invite", "closed")
 
 
 @dataclass(frozen=True)
 class AuthSettings:
-    api_keys: Mapping[str, str] = field(default_factory=dict)
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: off | keys | accounts; "off" with api_keys set means "keys"
+    mode: str = "off"
+    #: who may make an account: open | invite (with an admin's invite code) | closed
+    signup: str = "open"
+    session_days: float = 30.0
+    oidc: OidcSettings = field(default_factory=OidcSettings)
+    jwt: JwtSettings = field(default_factory=JwtSettings)
 
 
 @dataclass(frozen=True)
@@ -218,10 +283,21 @@ class Settings:
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""
         changed = {
-            name: dataclasses.replace(getattr(self, name), **values)
-            for name, values in sections.items()
+            name: _replaced(getattr(self, name), values) for name, values in sections.items()
         }
         return dataclasses.replace(self, **changed)
+
+
+def _replaced(section: Any, values: Mapping[str, Any]) -> Any:
+    """A settings table with some keys changed; a nested table (`auth.oidc`) given as a
+    mapping changes only the keys it names."""
+    changes = {
+        key: _replaced(getattr(section, key), value)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(getattr(section, key))
+        else value
+        for key, value in values.items()
+    }
+    return dataclasses.replace(section, **changes)
 
 
 class SettingsError(ValueError):
@@ -249,10 +325,7 @@ def load(
 
     sections: dict[str, Any] = {}
     for name, cls in typing.get_type_hints(Settings).items():
-        raw = data.get(name, {})
-        if not isinstance(raw, dict):
-            raise SettingsError(f"[{name}] must be a table")
-        values = _section(cls, raw, env, name)
+        values = _section(cls, data.get(name, {}), name, env)
         if name == "server" and "PORT" in env:
             values["port"] = _from_env(env["PORT"], int, "PORT")
         if name == "server" and "WEB_CONCURRENCY" in env and "SERVER_WORKERS" not in env:
@@ -261,28 +334,27 @@ def load(
     return _derive(Settings(**sections), file.resolve().parent)
 
 
-def _section(cls: Any, raw: dict[str, Any], env: Mapping[str, str], where: str) -> dict[str, Any]:
-    """The keys of one table: from the environment (`WHERE_KEY`), else the file. A key
-    whose type is itself a settings class is a nested table (`[collections.rerank]`, or
-    `rerank.url = …` in `[collections]`; env `COLLECTIONS_RERANK_URL`)."""
+def _section(cls: type[Any], raw: Any, name: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """The keys of one table (`name` is its dotted path, `auth.oidc`) given in the file
+    or the environment (`AUTH_OIDC_ISSUER`), by type; a key whose type is itself a
+    settings dataclass is a nested table, built the same way."""
+    if not isinstance(raw, dict):
+        raise SettingsError(f"[{name}] must be a table")
     kinds = typing.get_type_hints(cls)
     unknown = set(raw) - set(kinds)
     if unknown:
-        raise SettingsError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}")
+        raise SettingsError(f"unknown key(s) in [{name}]: {', '.join(sorted(unknown))}")
     values: dict[str, Any] = {}
     for key, kind in kinds.items():
-        path = f"{where}.{key}"
-        if dataclasses.is_dataclass(kind):
-            table = raw.get(key, {})
-            if not isinstance(table, dict):
-                raise SettingsError(f"[{path}] must be a table")
-            values[key] = kind(**_section(kind, table, env, path))  # type: ignore[operator]
+        where = f"{name}.{key}"
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            values[key] = kind(**_section(kind, raw.get(key, {}), where, env))
             continue
-        env_name = path.replace(".", "_").upper()
+        env_name = where.replace(".", "_").upper()
         if env_name in env:
             values[key] = _from_env(env[env_name], kind, env_name)
         elif key in raw:
-            values[key] = _coerce(raw[key], kind, path)
+            values[key] = _coerce(raw[key], kind, where)
     return values
 
 
@@ -297,8 +369,27 @@ def _derive(settings: Settings, folder: Path) -> Settings:
             "api_key": emb.api_key or settings.llm.api_key,
         },
         store={"url": sqlite_beside(settings.store.url, folder)},
+        auth={"mode": auth_mode(settings.auth)},
         collections={"url": path_beside(settings.collections.url, folder)},
     )
+
+
+def auth_mode(auth: AuthSettings) -> str:
+    """`auth.mode` as it applies: `keys` when only `auth.api_keys` is set. Raises
+    `SettingsError` for an unknown mode or sign-up rule, and for OIDC or bearer JWTs
+    without accounts (their users are accounts)."""
+    mode = auth.mode.strip().lower() or "off"
+    if mode not in AUTH_MODES:
+        raise SettingsError(f"auth.mode must be one of {', '.join(AUTH_MODES)}, not {mode!r}")
+    if auth.signup not in SIGNUP_RULES:
+        raise SettingsError(f"auth.signup must be one of {', '.join(SIGNUP_RULES)}")
+    if mode == "off" and auth.api_keys:
+        mode = "keys"
+    if mode != "accounts" and (auth.oidc.enabled or auth.jwt.enabled):
+        raise SettingsError('auth.oidc and auth.jwt need auth.mode = "accounts"')
+    if (auth.jwt.issuer or auth.jwt.jwks_url) and not auth.jwt.audience:
+        raise SettingsError("auth.jwt.issuer and auth.jwt.jwks_url need auth.jwt.audience")
+    return mode
 
 
 def sqlite_beside(url: str, folder: Path) -> str:

@@ -17,9 +17,13 @@ import base64
 import binascii
 import contextlib
 import logging
+import re
+import socket
+import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
+from urllib.parse import urlsplit
 
 import httpx2
 import numpy as np
@@ -46,7 +50,38 @@ class Delta:
 
 
 KEEPALIVE = Delta("keepalive")
+
+
+class ChatModel(Protocol):
+    """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
+    model (`app.demo`), chosen by `llm.base_url` (`open_model`)."""
+
+    @property
+    def configured(self) -> bool: ...
+
+    def stream(
+        self, messages: Sequence[Message], *, model: str | None = None
+    ) -> AsyncIterator[Delta]: ...
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+    ) -> str: ...
+
+    async def probe(self) -> str | None:
+        """Why the model cannot be used at all (not reachable, its key refused), in
+        words for a person; None when it answers."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
 RETRY_AFTER_CAP = 10.0
+PROBE_SECONDS = 10.0
 
 
 class LLMClient:
@@ -54,6 +89,7 @@ class LLMClient:
 
     def __init__(self, settings: LLMSettings) -> None:
         self.settings = settings
+        self.host = urlsplit(settings.base_url).hostname or ""
         self._client: openai.AsyncOpenAI | None = None
         if settings.api_key:
             timeout = openai.Timeout(
@@ -91,7 +127,7 @@ class LLMClient:
         client = self._require()
         splitter = ThinkSplitter()
         received = done = False
-        with model_errors("model"):
+        with model_errors("model", self.host):
             async with self._open_stream(client, messages, model) as response:
                 chunks = body_reader(response)
                 buffer = b""
@@ -162,7 +198,7 @@ class LLMClient:
     ) -> str:
         """One non-streaming completion (rewrite, title, ranking, suggestions)."""
         client = self._require()
-        with model_errors("model"):
+        with model_errors("model", self.host):
             async with asyncio.timeout(timeout):
                 request: dict[str, Any] = {
                     "model": model or self.settings.effective_small_model,
@@ -179,6 +215,23 @@ class LLMClient:
             raise StreamError("the model's answer has no choices[0].message") from exc
         return strip_think(text).strip()
 
+    async def probe(self) -> str | None:
+        """Ask the model server for its models (`GET /models`): any answer but a
+        refused key means it can be reached (some servers have no such route)."""
+        client = self._require()
+        try:
+            with model_errors("model", self.host):
+                try:
+                    async with asyncio.timeout(PROBE_SECONDS):
+                        await client.get("/models", cast_to=httpx2.Response)
+                except openai.APIStatusError as exc:  # it answered: only a key refused counts
+                    if exc.status_code not in (401, 403):
+                        return None
+                    raise
+        except (ModelError, StreamError) as exc:
+            return exc.message
+        return None
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
@@ -189,6 +242,7 @@ class Embedder:
 
     def __init__(self, settings: EmbeddingsSettings, timeout: float = 30.0) -> None:
         self.settings = settings
+        self.host = urlsplit(settings.base_url).hostname or ""
         self._client: openai.AsyncOpenAI | None = None
         if settings.model and settings.api_key:
             self._client = openai.AsyncOpenAI(
@@ -208,7 +262,7 @@ class Embedder:
         longer. Servers that answer plain float lists anyway are read just as well."""
         if self._client is None:
             raise ConfigError("no embeddings model is configured (embeddings.model)")
-        with model_errors("embeddings model"):
+        with model_errors("embeddings model", self.host):
             response = await self._client.embeddings.with_raw_response.create(
                 model=self.settings.model, input=list(texts), encoding_format="base64"
             )
@@ -281,7 +335,8 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
         if "error" in chunk and not choices:
             error = chunk["error"]
             detail = error.get("message") if isinstance(error, dict) else error
-            raise StreamError(f"the model reported an error mid-stream: {detail}")
+            log.warning("the model reported an error mid-stream: %s", redact(str(detail)))
+            raise StreamError("the model reported an error mid-stream")
         counted = [Delta("usage", usage=usage)] if isinstance(usage, dict) else []
         if not choices:
             return counted
@@ -291,7 +346,8 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
     except StreamError:
         raise
     except (orjson.JSONDecodeError, AttributeError, TypeError, IndexError) as exc:
-        raise StreamError(f"the model sent a malformed chunk: {payload[:200]!r}") from exc
+        log.warning("the model sent a malformed chunk (%d bytes)", len(payload))
+        raise StreamError("the model sent a malformed chunk") from exc
     out: list[Delta] = []
     if reasoning:
         out.append(Delta("reasoning", reasoning))
@@ -301,39 +357,143 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
 
 
 @contextlib.contextmanager
-def model_errors(what: str) -> Iterator[None]:
-    """Map what the SDK and its HTTP layer raise to our errors: `ModelError`
-    (CHAT_ERROR) when the model cannot be reached or does not answer in time,
-    `StreamError` (STREAM_ERROR) when it answers non-2xx or badly.
-    The messages say what happened in words a person can use; the exception, with
-    its addresses, goes to the log.
-    """
+def model_errors(what: str, host: str = "") -> Iterator[None]:
+    """Map what the SDK and its HTTP layer raise to our errors, told apart by cause:
+    `ModelError` (CHAT_ERROR) when the model cannot be reached — the connection was
+    refused, its host name does not resolve, a secure connection fails, it does not
+    answer in time — and `StreamError` (STREAM_ERROR) when it answers non-2xx (its
+    key refused, say) or badly. The messages say what happened in words a person
+    can use; the log line says the same with the model's host (never its key, never
+    the model's own error text, which may quote the key)."""
     try:
         yield
-    except (TimeoutError, openai.APITimeoutError) as exc:
-        raise ModelError(f"the {what} did not answer in time") from exc
     except openai.APIStatusError as exc:
-        raise StreamError(_status_message(exc)) from exc
-    except openai.APIConnectionError as exc:
-        log.warning("cannot reach the %s: %r", what, _cause(exc))
-        raise ModelError(f"cannot reach the {what}") from exc
+        detail = _status_detail(exc)
+        log.warning(
+            "the %s answered %d",
+            what,
+            exc.status_code,
+            extra={
+                "fields": {"modelHost": host, "status": exc.status_code, "detail": redact(detail)}
+            },
+        )
+        raise StreamError(_status_message(what, exc.status_code)) from exc
+    except (TimeoutError, openai.APITimeoutError, openai.APIConnectionError) as exc:
+        cause = connection_cause(exc)
+        log.warning(
+            "cannot reach the %s: %s",
+            what,
+            CAUSES[cause][0],
+            extra={"fields": {"modelHost": host, "cause": cause}},
+        )
+        raise ModelError(CAUSES[cause][1].format(what=what)) from exc
     except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
-        log.warning("the %s stream broke: %r", what, exc)
+        log.warning(
+            "the %s stream broke: %s",
+            what,
+            type(exc).__name__,
+            extra={"fields": {"modelHost": host}},
+        )
         raise StreamError(f"the {what} stream broke off") from exc
     except Exception as exc:
         if _is_transport_error(exc):
-            log.warning("the %s stream broke: %r", what, exc)
+            log.warning(
+                "the %s stream broke: %s",
+                what,
+                type(exc).__name__,
+                extra={"fields": {"modelHost": host}},
+            )
             raise StreamError(f"the {what} stream broke off") from exc
         raise
 
 
-def _status_message(exc: openai.APIStatusError) -> str:
+#: why a model could not be reached: (for the log, for the user)
+CAUSES = {
+    "refused": (
+        "connection refused (nothing listens at llm.base_url?)",
+        "the {what} refused the connection: it is not running at the configured address",
+    ),
+    "dns": (
+        "its host name does not resolve (check llm.base_url)",
+        "the {what}'s address could not be found: its host name does not resolve",
+    ),
+    "tls": (
+        "the secure connection failed (TLS: certificate, or https to a plain http port)",
+        "a secure connection to the {what} could not be made",
+    ),
+    "timeout": (
+        "it did not answer in time",
+        "the {what} did not answer in time",
+    ),
+    "unreachable": (
+        "the connection failed",
+        "the {what} cannot be reached",
+    ),
+}
+
+
+def connection_cause(exc: BaseException) -> str:
+    """Why a connection to the model failed, from the chain of causes under what the
+    SDK raised (its aiohttp client reports a refused connection as a timeout)."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 10:
+        if isinstance(current, ConnectionRefusedError):
+            return "refused"
+        if isinstance(current, socket.gaierror):
+            return "dns"
+        if isinstance(current, ssl.SSLError) or type(current).__name__ in (
+            "ClientConnectorCertificateError",
+            "ClientSSLError",
+            "ClientConnectorSSLError",
+        ):
+            return "tls"
+        current = current.__cause__ or current.__context__
+        seen += 1
+    current, seen = exc, 0
+    while current is not None and seen < 10:
+        if isinstance(current, OSError) and not isinstance(current, TimeoutError):
+            return "unreachable"
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return "timeout"
+
+
+def _status_detail(exc: openai.APIStatusError) -> str:
+    """The model's own words for a non-2xx answer (for the log, redacted)."""
     body: Any = exc.body
     detail = None
     if isinstance(body, dict):
         error = body.get("error", body)
         detail = error.get("message") if isinstance(error, dict) else error
-    return f"the model answered {exc.status_code}: {detail or exc.message}"
+    return str(detail or exc.message)
+
+
+def _status_message(what: str, status: int) -> str:
+    """What a user is told of a non-2xx answer: what it means, never the model's own
+    text (which may quote the key it refused)."""
+    if status in (401, 403):
+        return f"the {what} refused the server's API key ({status})"
+    if status == 404:
+        return f"the {what} does not know the model asked for, or its address is wrong (404)"
+    if status == 429:
+        return f"the {what} is rate limiting this server; try again shortly (429)"
+    if status == 400:
+        return f"the {what} refused the request (400)"
+    if status >= 500:
+        return f"the {what} failed ({status}); try again shortly"
+    return f"the {what} answered {status}"
+
+
+#: what looks like a key or a token in a model's error text
+_SECRET = re.compile(
+    r"sk-[^\s,;'\"]*|(key-|Bearer\s+)?[A-Za-z0-9_\-]{20,}|[A-Za-z0-9]{0,8}\*{3,}[A-Za-z0-9]{0,8}"
+)
+
+
+def redact(text: str) -> str:
+    """A model's error text without what could be a key ("sk-…abcd" included)."""
+    return _SECRET.sub("[redacted]", text)[:300]
 
 
 def _retry_after(exc: openai.APIStatusError) -> float:
@@ -343,11 +503,6 @@ def _retry_after(exc: openai.APIStatusError) -> float:
     except ValueError:
         seconds = 1.0
     return min(max(seconds, 0.0), RETRY_AFTER_CAP)
-
-
-def _cause(exc: BaseException) -> str:
-    cause = exc.__cause__ or exc.__context__
-    return str(cause or exc) or type(cause or exc).__name__
 
 
 def _is_transport_error(exc: BaseException) -> bool:

@@ -46,6 +46,15 @@ def configure(level: str = "INFO") -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True
+    # HTTP clients log every request with its URL at INFO (a search key and the
+    # user's question in a query string; OIDC and JWKS requests go through them
+    # too); what fails is logged here, in words
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+#: third-party loggers that would log each outbound request, its URL included
+QUIET = ("httpx", "httpx2", "httpcore", "openai", "aiohttp", "primp", "ddgs", "hpack", "authlib")
 
 
 class AccessLog:

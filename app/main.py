@@ -8,36 +8,47 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import api, config, logs
-from .auth import Auth, RateLimiter
+from .auth import RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .collections.base import open_engine
 from .collections.retrieval import Retriever
 from .collections.service import CollectionService
-from .config import Settings
+from .config import Settings, auth_mode
+from .demo import DemoModel, is_demo
+from .errors import AppError
 from .files.service import FileService
+from .identity.accounts import Accounts
+from .identity.jwt import BearerJwt
+from .identity.oidc import OidcSignIn
+from .identity.quota import Quota
+from .identity.resolver import Identity
+from .identity.throttle import SignInThrottle
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
-from .llm import Embedder, LLMClient
+from .llm import ChatModel, Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
 from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import collections, openai, perplexica, sse, ws
-from .transport.http import AuthMiddleware
+from .transport import auth_routes, collections, openai, perplexica, sse, ws
+from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
 if TYPE_CHECKING:
@@ -53,7 +64,7 @@ async def open_service(
     *,
     metrics: Metrics,
     redis: aioredis.Redis | None = None,
-    llm: LLMClient | None = None,
+    llm: ChatModel | None = None,
     store: Store | None = None,
     prompts: Prompts | None = None,
 ) -> AsyncIterator[ChatService]:
@@ -71,26 +82,33 @@ async def open_service(
             redis,
             replay_ttl=settings.stream.replay_ttl_seconds,
             handle_ttl=settings.stream.handle_ttl_seconds,
-            flush_interval=settings.stream.flush_interval_ms / 1000,
             max_generation_seconds=settings.llm.timeout_seconds,
+            commit_linger=settings.stream.commit_linger_ms / 1000,
+            timeout=settings.redis.timeout_seconds,
         )
         await stack.enter_async_context(hub)
-        the_llm = llm or LLMClient(settings.llm)
-        stack.push_async_callback(the_llm.aclose)
         the_prompts = prompts or Prompts()
+        the_llm = llm or open_model(settings, the_prompts)
+        stack.push_async_callback(the_llm.aclose)
         embedder = Embedder(settings.embeddings)
         stack.push_async_callback(embedder.aclose)
         search = WebSearch(settings, llm=the_llm, embedder=embedder, prompts=the_prompts)
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
+        lease = WorkerLease(the_store, ids)
         engine = open_engine(settings.collections.url)
         await stack.enter_async_context(engine)
         retriever = Retriever(settings.collections, engine=engine, embedder=embedder)
         stack.push_async_callback(retriever.aclose)
         files = FileService(
-            settings.uploads, store=the_store, embedder=embedder, ids=ids, retriever=retriever
+            settings.uploads,
+            store=the_store,
+            embedder=embedder,
+            ids=ids,
+            retriever=retriever,
+            indexer=lease.token,
         )
-        chores: list[ChatService] = []  # the service spawns imports; it is made just below
+        stack.push_async_callback(files.aclose)
         knowledge = CollectionService(
             settings.collections,
             settings.uploads,
@@ -98,8 +116,8 @@ async def open_service(
             retriever=retriever,
             reader=search.reader,
             ids=ids,
-            spawn=lambda coro: chores[0].spawn(coro),
         )
+        stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
             store=the_store,
@@ -115,8 +133,7 @@ async def open_service(
             metrics=metrics,
             collections=knowledge,
         )
-        chores.append(service)
-        await stack.enter_async_context(WorkerLease(the_store, service.ids))
+        await stack.enter_async_context(lease)
         await service.open()
         try:
             yield service
@@ -124,25 +141,37 @@ async def open_service(
             await service.aclose(settings.server.shutdown_grace_seconds)
 
 
+def open_model(settings: Settings, prompts: Prompts) -> ChatModel:
+    """The model `llm.base_url` names: the built-in demo model for `demo`, else any
+    OpenAI-compatible server."""
+    if is_demo(settings.llm.base_url):
+        return DemoModel(prompts, settings.llm.base_url)
+    return LLMClient(settings.llm)
+
+
 def create_app(
     settings: Settings,
     *,
-    llm: LLMClient | None = None,
+    llm: ChatModel | None = None,
     store: Store | None = None,
     prompts: Prompts | None = None,
 ) -> Starlette:
     """The ASGI app. Backends not given are built from `settings` and opened on start."""
     metrics = Metrics()
-    auth = Auth(settings.auth.api_keys)
+    mode = auth_mode(settings.auth)
     # a wildcard origin with credentials-bearing clients would let any site use a key
     origins = list(settings.server.cors_origins)
-    if auth.enabled and origins == ["*"]:
+    if mode != "off" and origins == ["*"]:
         origins = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            redis = open_redis(settings.redis.url)
+            redis = open_redis(
+                settings.redis.url,
+                timeout=settings.redis.timeout_seconds,
+                max_connections=settings.redis.max_connections,
+            )
             if redis is not None:
                 stack.push_async_callback(redis.aclose)
             service = await stack.enter_async_context(
@@ -156,8 +185,9 @@ def create_app(
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.streams = set()
-            app.state.auth = auth
+            app.state.identity = await open_identity(settings, service, redis, stack)
             app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
+            app.state.quota = Quota(service.store, settings.limits.tokens_per_day)
             shutdown = GracefulShutdown(
                 service,
                 app.state.sessions,
@@ -190,6 +220,20 @@ def create_app(
         Route("/api/uploads", api.list_uploads, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.delete_upload, methods=["DELETE"]),
+        # accounts (PROTOCOL §7)
+        Route("/api/auth/signup", auth_routes.signup, methods=["POST"]),
+        Route("/api/auth/login", auth_routes.login, methods=["POST"]),
+        Route("/api/auth/logout", auth_routes.logout, methods=["POST"]),
+        Route("/api/auth/me", auth_routes.me, methods=["GET"]),
+        Route("/api/auth/oidc/login", auth_routes.oidc_login, methods=["GET"]),
+        Route("/api/auth/oidc/callback", auth_routes.oidc_callback, methods=["GET"]),
+        Route("/api/keys", auth_routes.list_keys, methods=["GET"]),
+        Route("/api/keys", auth_routes.create_key, methods=["POST"]),
+        Route("/api/keys/{key_id}", auth_routes.revoke_key, methods=["DELETE"]),
+        Route("/api/admin/users", auth_routes.admin_users, methods=["GET"]),
+        Route("/api/admin/users/{user_id}", auth_routes.admin_change_user, methods=["PATCH"]),
+        Route("/api/admin/users/{user_id}/usage", auth_routes.admin_user_usage, methods=["GET"]),
+        Route("/api/admin/invites", auth_routes.admin_invite, methods=["POST"]),
         # knowledge collections (PROTOCOL §12)
         Route("/api/collections", collections.create, methods=["POST"]),
         Route("/api/collections", collections.listed, methods=["GET"]),
@@ -226,6 +270,7 @@ def create_app(
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/", api.web_client, methods=["GET"]),
+        Route("/signin", api.web_client, methods=["GET"]),
         Mount("/static", api.HtmlHeaders(StaticFiles(directory=WEB_DIR)), name="static"),
     ]
     middleware = [
@@ -236,24 +281,99 @@ def create_app(
             allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
             allow_headers=["authorization", "content-type", "last-event-id"],
         ),
-        Middleware(AuthMiddleware, auth=auth),
+        Middleware(AuthMiddleware, mode=mode),
     ]
-    return App(routes=routes, middleware=middleware, lifespan=lifespan)
+    return App(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={Exception: internal_error},
+    )
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in any route still answers in its protocol's shape (500 `INTERNAL`; OpenAI's
+    under /v1/), never a plain-text page; the traceback goes to the log."""
+    error = AppError("internal error")
+    if request.url.path.startswith("/v1/"):
+        return openai_error(error)
+    return error_response(error)
+
+
+async def open_identity(
+    settings: Settings,
+    service: ChatService,
+    redis: aioredis.Redis | None,
+    stack: contextlib.AsyncExitStack,
+) -> Identity:
+    """Who is asking, per `auth.mode`: with accounts, the accounts service on the chat
+    service's store (and ids), sign-in throttling in Redis when there is one, and the
+    OIDC and JWT checks when configured (their HTTP client closed with `stack`)."""
+    if auth_mode(settings.auth) != "accounts":
+        return Identity(settings)
+    auth = settings.auth
+    accounts = Accounts(auth, store=service.store, ids=service.ids, throttle=SignInThrottle(redis))
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False)
+    stack.push_async_callback(http.aclose)
+    oidc = None
+    if auth.oidc.enabled:
+        key = (await service.store.secret("oidc-flow")).encode()
+        oidc = OidcSignIn(auth.oidc, http, key)
+    jwt = BearerJwt(auth.jwt, http) if auth.jwt.enabled else None
+    if not await service.store.has_admin():
+        log.warning(
+            "accounts are on and no admin exists yet: the first account signed up becomes"
+            " the admin, whatever auth.signup says"
+        )
+    return Identity(settings, accounts=accounts, jwt=jwt, oidc=oidc)
 
 
 class App(Starlette):
     """Starlette that keeps the server's own `send` in the scope (`SERVER_SEND`):
     a streamed response sends its start through the middleware, and its body
-    chunks, which no middleware here looks at, straight to the server."""
+    chunks, which no middleware here looks at, straight to the server.
+
+    So a middleware that looks at bodies (compression, tracing that records them)
+    would see a stream's start and end but not its chunks — with gzip, say,
+    `content-encoding: gzip` over plain text: a corrupt stream. Building the app's
+    middleware refuses any middleware but those known to look only at a response's
+    start (`STREAM_SAFE`, or a class with `stream_safe = True`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            # a bug: the 500 in the route's own shape has gone out (`internal_error`);
+            # logged here, once, and the connection kept (the server would close it)
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+
+    def build_middleware_stack(self) -> ASGIApp:
+        for entry in self.user_middleware:
+            cls: Any = entry.cls
+            if cls not in STREAM_SAFE and not getattr(cls, "stream_safe", False):
+                name = getattr(cls, "__name__", repr(cls))
+                raise RuntimeError(
+                    f"middleware {name} is not known to leave response bodies alone: this "
+                    "server writes streamed chunks past middleware, so it would see a "
+                    "stream's start but not its body (gzip would corrupt it). Compress or "
+                    "trace in a proxy in front, or mark a middleware that only looks at a "
+                    "response's start with `stream_safe = True`."
+                )
+        return super().build_middleware_stack()
+
+
+#: middleware that look only at a response's start (and the request), never its body
+STREAM_SAFE: frozenset[type] = frozenset({AccessLog, CORSMiddleware, AuthMiddleware})
 
 
 def announce(settings: Settings, service: ChatService) -> None:
     """One line saying what runs, and a warning for each thing that will not work."""
     store_kind = settings.store.url.partition(":")[0]
+    demo = is_demo(settings.llm.base_url)
     log.info(
         "serving",
         extra={
@@ -261,7 +381,8 @@ def announce(settings: Settings, service: ChatService) -> None:
                 "store": store_kind,
                 "redis": bool(settings.redis.url),
                 "model": settings.llm.model,
-                "modelHost": urlsplit(settings.llm.base_url).hostname,
+                "modelHost": "" if demo else urlsplit(settings.llm.base_url).hostname,
+                "demo": demo,
                 **dict(
                     zip(
                         ("searchProvider", "searchProviderReason"),
@@ -269,20 +390,34 @@ def announce(settings: Settings, service: ChatService) -> None:
                         strict=True,
                     )
                 ),
-                "auth": bool(settings.auth.api_keys),
+                "auth": auth_mode(settings.auth) != "off",
+                "authMode": auth_mode(settings.auth),
                 "workerNumber": service.ids.worker,
                 "pid": os.getpid(),
             }
         },
     )
-    if not settings.llm.api_key:
-        log.warning("no model key (LLM_API_KEY): every question will be refused with CONFIG_ERROR")
+    if demo:
+        log.warning(
+            "demo model: answers are made up, nothing is asked of a real model; for real "
+            "answers set LLM_BASE_URL and LLM_API_KEY and start without --demo"
+        )
+    elif not settings.llm.api_key:
+        log.warning(
+            "no model key (LLM_API_KEY): every question will be refused with CONFIG_ERROR; "
+            "set it, or try the server with `python -m app --demo`"
+        )
     problem = search_problem(settings)
     if problem:
         log.warning("web search will not work: %s; answers come without sources", problem)
-    if not settings.auth.api_keys and settings.server.host not in ("127.0.0.1", "localhost"):
+    if auth_mode(settings.auth) == "off" and settings.server.host not in (
+        "127.0.0.1",
+        "localhost",
+    ):
         log.warning(
-            "auth is off on %s: anyone who reaches this port can ask (and spend the model key)",
+            "auth is off on %s: anyone who reaches this port can ask (and spend the model "
+            "key); turn auth on with AUTH_API_KEYS=<key>:<user id> (README, Security), or "
+            "listen on 127.0.0.1 only with SERVER_HOST=127.0.0.1",
             settings.server.host,
         )
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import Event, render_default, render_simple, render_simple_start
-from .streams import GenerationLog, Handle, LogWriter
+from .events import Event, Handle
+from .protocol import render_default, render_simple, render_simple_start
+from .streams import GenerationLog, LogWriter
 
 
 class MessageStream:

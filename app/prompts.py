@@ -42,6 +42,16 @@ class Prompts:
                 raise FileNotFoundError(f"prompt file missing: {path}")
             self._texts[name] = path.read_text(encoding="utf-8")
 
+    def which(self, text: str) -> str | None:
+        """The name of the prompt `text` was rendered from (the one whose words before
+        its first placeholder begin it, the longest such), or None."""
+        best, best_len = None, 0
+        for name, template in self._texts.items():
+            head = template.split("{", 1)[0]
+            if len(head) > best_len and text.startswith(head):
+                best, best_len = name, len(head)
+        return best
+
     def render(self, name: str, **values: str) -> str:
         """The prompt with `{name}` placeholders filled; unknown braces stay as they are.
 

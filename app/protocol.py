@@ -12,18 +12,14 @@ import abc
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import orjson
 
-from .chat.modes import MODES
 from .errors import AppError, BadRequest
+from .events import FOCUS_MODES, Event, Handle
 
-if TYPE_CHECKING:
-    from .streams import Handle
-
-FOCUS_MODES = tuple(MODES)
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -259,9 +255,18 @@ def parse_event_id(value: str | None) -> tuple[str | None, int]:
     if not value:
         return None, 0
     answer_id, sep, seq = value.partition(":")
-    if not sep or not seq.isdigit():
+    if not sep or not is_number(seq, 12):
         raise BadRequest("Last-Event-ID must look like '<messageId>:<seq>'")
     return parse_id(answer_id, "Last-Event-ID messageId"), int(seq)
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def is_number(text: str, max_digits: int = 18) -> bool:
+    """Whether `text` is a whole number in ASCII digits (`str.isdigit` takes "²" and
+    other digits `int()` refuses), of at most `max_digits` digits."""
+    return len(text) <= max_digits and _DIGITS.fullmatch(text) is not None
 
 
 # -- events ---------------------------------------------------------------------
@@ -278,30 +283,6 @@ _SIMPLE_TYPES = {
     "messageEnd": "complete",
     "error": "error",
 }
-TERMINAL = frozenset({"messageEnd", "error"})
-
-
-@dataclass(slots=True)
-class Event:
-    """One event of a generation. `seq` 0 means unnumbered (keep-alive). Treated as
-    immutable, not frozen: one is made per token, and a frozen dataclass takes three
-    times as long to make."""
-
-    type: str
-    chat_id: str
-    message_id: str
-    data: dict[str, Any] = field(default_factory=dict)
-    seq: int = 0
-    ts: float = field(default_factory=time.time)
-
-    @property
-    def terminal(self) -> bool:
-        return self.type in TERMINAL
-
-    @property
-    def event_id(self) -> str:
-        """`<answerMessageId>:<seq>` (numbered events only carry one on the wire)."""
-        return f"{self.message_id}:{self.seq}"
 
 
 def render_default(event: Event) -> dict[str, Any]:

@@ -121,7 +121,7 @@ async def sse_stream(
         *events, buffer = buffer.split(b"\n\n")
         now_ns = time.time_ns()
         for raw in events:
-            if not raw or raw.startswith(b":"):
+            if not raw or raw.startswith((b":", b"retry:")):
                 continue
             event_id, _, data_line = raw.partition(b"\ndata: ")
             event = orjson.loads(data_line)

@@ -313,3 +313,20 @@ def asyncio_run_in_thread(coro: Any) -> Any:
     """Run a coroutine to completion on a loop of its own (callable from inside a running loop)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+@pytest.fixture
+def hosts_env(model_url, fake_search, postgres_server, redis_url):
+    """Two "hosts" share one Postgres database and one Redis."""
+    return {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-chat",
+        "STORE_URL": new_database(postgres_server),
+        "REDIS_URL": redis_url,
+        "STREAM_HANDLE_TTL_SECONDS": "3",
+        "LIMITS_MAX_CONCURRENT_GENERATIONS": "0",
+        "SEARCH_PROVIDER": "tavily",
+        "TAVILY_API_KEY": fake_search.api_key,
+        "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
+    }

@@ -41,7 +41,14 @@ class ServerThread(Loopback):
     """A uvicorn server for `app` on 127.0.0.1:<free port> (or `port`), in its own thread
     and loop."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: Any = None,
+        **config: Any,
+    ) -> None:
         self.app = app
         self.host = host
         # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose
@@ -62,7 +69,10 @@ class ServerThread(Loopback):
             "lifespan": "on",
         }
         options.update(config)
-        self.server = uvicorn.Server(uvicorn.Config(app, **options))
+        uvicorn_config = uvicorn.Config(app, **options)
+        if limits is not None:  # the server.* settings the protocol reads
+            uvicorn_config.server_limits = limits  # type: ignore[attr-defined]
+        self.server = uvicorn.Server(uvicorn_config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,8 +151,11 @@ class AppProcess(Loopback):
     """The server as its own process (`python -m app`), configured by environment;
     `prefix` runs it under another command (`OWN_PID_NAMESPACE`)."""
 
-    def __init__(self, env: dict[str, str], prefix: list[str] | None = None) -> None:
+    def __init__(
+        self, env: dict[str, str], prefix: list[str] | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         self.prefix = prefix or []
+        self.args = args
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -156,7 +169,7 @@ class AppProcess(Loopback):
 
     def start(self) -> AppProcess:
         self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "app"],
+            [*self.prefix, sys.executable, "-m", "app", *self.args],
             env=self.env,
             cwd=ROOT,
             stdout=self.log_file,

@@ -684,3 +684,41 @@ def test_screenshots_light_and_dark_desktop_and_phone(open_page, fake_model, fak
         shot.screenshot(path=str(path))
         if os.environ.get("UPDATE_SCREENSHOTS") == "1":
             shutil.copy(path, ROOT / "docs" / f"client-{name}.png")
+
+
+def test_on_a_phone_only_the_conversation_scrolls(open_page, fake_model):
+    """After a long answer the page itself never scrolls (it would slide the top bar
+    over the question): only the conversation does."""
+    page = open_page(**PHONE)
+    page.select_option("#focus", "deepSeek")
+    page.fill("#question", "a long one #tokens=400")
+    page.tap("#send")
+    wait_state(page, "completed", timeout=30_000)
+    sizes = page.evaluate(
+        "() => [document.scrollingElement.scrollHeight, window.innerHeight,"
+        " document.querySelector('#conversation').scrollHeight]"
+    )
+    assert sizes[0] <= sizes[1] < sizes[2], sizes
+    page.evaluate(
+        "() => { window.scrollTo(0, 500); document.querySelector('#conversation').scrollTop = 0; }"
+    )
+    question = page.locator(".question").first.bounding_box()
+    topbar = page.locator("#topbar").bounding_box()
+    assert question["y"] >= topbar["y"] + topbar["height"], (question, topbar)
+
+
+def test_the_demo_model_says_it_is_the_demo(open_page, fake_search):
+    page = open_page(
+        changes={
+            "llm": {"base_url": "demo://?pace=0.002", "model": "demo", "api_key": ""},
+            "search": {"provider": "demo"},
+        }
+    )
+    notice = page.locator("#demo-notice")
+    notice.wait_for(state="visible")
+    assert "made up" in notice.inner_text()
+    assert page.locator("#search-off").is_hidden()
+    ask(page, "what is a methane rocket engine?")
+    wait_state(page, "completed")
+    assert page.locator(".turn .source").count() >= 3
+    assert "Demo answer" in last(page, ".turn .answer").inner_text()

@@ -314,7 +314,7 @@ async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
     write times out: the terminal event is written when Redis answers again (a
     write sent twice leaves one event per seq for readers)."""
     with RedisServer(args=("--enable-debug-command", "yes")) as server:
-        admin = open_redis(server.url)
+        admin = aioredis.from_url(server.url)  # no deadline: it waits out the stall
         client = aioredis.from_url(server.url, socket_timeout=0.3)
         try:
             hub = RedisHub(

@@ -34,6 +34,9 @@ from tests.perplexica import (
     system_prompt,
 )
 
+#: these tests build the Perplexica UI (once, cached): `-m "not perplexica_ui"` skips them
+pytestmark = pytest.mark.perplexica_ui
+
 # the harness's fixtures: the built UI, this server on :18080, Chromium, the page
 perplexica_build = perplexica.perplexica_build
 perplexica_ui = perplexica.perplexica_ui

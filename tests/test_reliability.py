@@ -33,20 +33,9 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def env(model_url, fake_search, postgres_server, redis_url):
+def env(hosts_env):
     """Two "hosts" share one Postgres database and one Redis."""
-    return {
-        "LLM_BASE_URL": model_url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-chat",
-        "STORE_URL": new_database(postgres_server),
-        "REDIS_URL": redis_url,
-        "STREAM_HANDLE_TTL_SECONDS": "3",
-        "LIMITS_MAX_CONCURRENT_GENERATIONS": "0",
-        "SEARCH_PROVIDER": "tavily",
-        "TAVILY_API_KEY": fake_search.api_key,
-        "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
-    }
+    return hosts_env
 
 
 def serving_line(process: AppProcess) -> dict:

@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 import time
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -483,3 +484,42 @@ async def test_a_postgres_restart_mid_generation_loses_nothing(settings, fake_mo
                 assert answer["content"] == "".join(f"tok{i} " for i in range(60))
     finally:
         postgres.remove()
+
+
+#: query and header values as hostile clients send them: Unicode digits, huge numbers,
+#: NUL, separators, long runs
+hostile_text = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(
+        ["²", "١٢", "1:²", "9" * 40, "-1", "1e999", "nan", "\x00", "%00", ":", "a:b:c"]
+    ),
+    st.integers().map(str),
+)
+
+
+@given(limit=hostile_text, since=hostile_text, chat=hostile_text, last=hostile_text)
+@hyp_settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_query_parameters_and_headers_never_make_a_500(fuzz_server, limit, since, chat, last):
+    with httpx.Client(base_url=fuzz_server.url, timeout=20) as http:
+        answers = [
+            http.get("/api/chats", params={"limit": limit, "userId": "1"}),
+            http.get("/api/usage", params={"since": since, "userId": "1"}),
+            http.get("/api/chat/sse/resume", params={"chatId": chat, "lastEventId": last}),
+            http.get(f"/sources/{quote(chat, safe='') or 'x'}", params={"sig": last}),
+            http.get(f"/api/chats/{quote(chat, safe='') or 'x'}", params={"userId": limit}),
+        ]
+        header = last.replace("\x00", "").encode("utf-8", "replace")
+        if all(32 <= b < 127 for b in header):  # what a header can carry
+            answers.append(
+                http.get(
+                    "/api/chat/sse/resume",
+                    params={"chatId": "c1"},
+                    headers={"last-event-id": header.decode()},
+                )
+            )
+        for answer in answers:
+            assert answer.status_code < 500, (answer.request.url, answer.status_code, answer.text)
+            if answer.status_code >= 400:
+                assert answer.json()["type"] == "error", answer.text

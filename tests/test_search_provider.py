@@ -343,7 +343,7 @@ def test_ddgs_needs_no_key_but_an_explicit_provider_still_does(keyless):
 
 async def test_an_unknown_provider_is_refused_naming_the_choices(keyless):
     async with httpx.AsyncClient() as http:
-        with pytest.raises(ValueError, match="auto, tavily, searxng, google or ddgs"):
+        with pytest.raises(ValueError, match="auto, tavily, searxng, google, ddgs or demo"):
             open_provider(keyless.replace(search={"provider": "bing"}), http)
 
 
@@ -424,7 +424,7 @@ SECRET_URL = "https://html.duckduckgo.com/html?q=what+is+python+used+for"
             DDGSException("DNSError: DNSError('error sending request for url (https://x/)')"),
             "cannot be reached",
         ),
-        (DDGSException("No results found."), "found nothing (or are refusing"),
+        (DDGSException("No results found."), "found nothing, or are refusing"),
         (KeyError("results"), "could not read"),  # a service changed its pages
     ],
 )
@@ -441,6 +441,7 @@ async def test_a_ddgs_failure_is_a_progress_line_and_an_answer_without_sources(
     assert "sources" not in types and "error" not in types
     progress = progress_of(events)
     assert any(p.startswith("web search failed (") and words in p for p in progress), progress
+    assert not any(p.count("(") > 1 for p in progress), progress  # no nested parentheses
     # in words: no class names, no URL with the question in it
     assert not any(re.search(r"Exception|Error|https?:|duckduckgo", p) for p in progress)
     assert events[-1].data["status"] == "completed"

@@ -124,7 +124,7 @@ async def test_a_model_error_ends_with_an_error_event_and_a_failed_answer(servic
     handle = await service.start(ask("hi #fail=503", chat_id="300"))
     assert await record(service, handle) == [
         (1, "message", {"data": ""}),
-        (2, "error", {"key": "STREAM_ERROR", "data": "the model answered 503: fake failure 503"}),
+        (2, "error", {"key": "STREAM_ERROR", "data": "the model failed (503); try again shortly"}),
     ]
     _chat, messages, _files = await service.open_chat("300", "1")
     assert messages[-1].status == "failed"

@@ -276,7 +276,8 @@ async def test_sigterm_ends_streams_that_follow_another_process(env, fake_model,
                     followed += [item async for item in stream if isinstance(item, SseEvent)]
                 assert follower.proc.wait(10) in STOPPED
                 assert time.monotonic() - signalled < 1 + 3  # grace plus a little
-                assert followed[-1].type == "message"  # cut, not ended: the answer goes on
+                # cut, not ended: the answer goes on elsewhere
+                assert followed[-1].type not in ("messageEnd", "error")
                 rest = [item async for item in running if isinstance(item, SseEvent)]
         assert rest[-1].type == "messageEnd" and rest[-1].data["status"] == "completed"
     finally:

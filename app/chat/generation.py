@@ -13,29 +13,56 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..chores import Chores
 from ..collections.service import CollectionSearch, with_collections
+from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
-from ..llm import Message
-from ..protocol import ChatRequest, Event
+from ..events import Handle
+from ..files.service import FileService
+from ..llm import ChatModel, Message
+from ..metrics import Metrics
+from ..prompts import Prompts
+from ..protocol import ChatRequest
 from ..search.base import SearchResult
-from ..search.web import context_of, source_entries
-from ..store import FileRecord, Saved, Usage
-from ..streams import Handle, LogWriter
+from ..search.web import WebSearch, context_of, source_entries
+from ..store import Checkpoint, FileRecord, Saved, Store, Usage
+from ..streams import LogWriter, StreamHub
+from .history import make_title, rewrite, stored_history
+from .keeper import AnswerKeeper, steps_of
 from .modes import MODES, PLAIN_PROMPT, SourceJob
-
-if TYPE_CHECKING:
-    from .service import ChatService
+from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
-STORE_SAVE_SECONDS = 3.0  # longer, and the answer is saved in the background instead
-TITLE_MAX_CHARS = 80
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What a generation uses, and nothing more: the model and prompts, the sources
+    (web, research, files), where its answer goes (the store for its question's
+    sources, the keeper for the answer, the hub for the end), how to sign a sources
+    link, where background chores run, and the metrics."""
+
+    settings: Settings
+    llm: ChatModel
+    prompts: Prompts
+    search: WebSearch
+    research: DeepResearch
+    files: FileService
+    store: Store
+    keeper: AnswerKeeper
+    hub: StreamHub
+    metrics: Metrics
+    chores: Chores
+    #: the "All Sources" link of a question, for a request that came to a host
+    sources_link: Callable[[str, str], str]
 
 
 class Generation:
@@ -43,7 +70,7 @@ class Generation:
 
     def __init__(
         self,
-        service: ChatService,
+        services: Services,
         request: ChatRequest,
         handle: Handle,
         *,
@@ -53,7 +80,7 @@ class Generation:
         regenerate: bool = False,
         collections: CollectionSearch | None = None,
     ) -> None:
-        self.service = service
+        self.services = services
         self.request = request
         self.handle = handle
         self.new_chat = new_chat
@@ -73,6 +100,20 @@ class Generation:
             self._generate(), name=f"answer-{handle.answer_id}"
         )
 
+    @property
+    def answer_id(self) -> str:
+        return self.handle.answer_id
+
+    def progress(self) -> tuple[int, Checkpoint]:
+        """The seq of the last event written so far, and the answer as far as it got
+        (what a checkpoint saves)."""
+        return self.out.seq, Checkpoint(
+            self.handle.answer_id,
+            "".join(self.content),
+            "".join(self.reasoning),
+            steps_of(self.out.log.events),
+        )
+
     def request_cancel(self) -> None:
         """Stop the body (the model request is closed); safe to call more than once."""
         self.work.cancel()
@@ -82,9 +123,9 @@ class Generation:
         stream — in a task of its own that a cancel of `run()` (the loop shutting
         down, cancelled twice even) cannot interrupt: the body is cancelled, the
         answer still saved and the terminal event still written."""
-        metrics = self.service.metrics
+        metrics = self.services.metrics
         metrics.generations_active.inc()
-        deadline = asyncio.timeout(self.service.settings.llm.timeout_seconds)
+        deadline = asyncio.timeout(self.services.settings.llm.timeout_seconds)
         try:
             async with deadline:
                 await asyncio.wait([self.work])
@@ -115,15 +156,17 @@ class Generation:
         return AppError("internal error")
 
     async def _generate(self) -> None:
-        svc, req = self.service, self.request
+        svc, req = self.services, self.request
         if req.history is not None and not self.regenerate:
             history = list(req.history)
         elif self.new_chat:
             history = []  # nothing to read back
         else:
-            history = await svc.stored_history(self.handle.chat_id, before=self.handle.question_id)
+            history = await stored_history(
+                svc.store, self.handle.chat_id, before=self.handle.question_id
+            )
         if len(req.content) > REWRITE_MIN_CHARS or history:
-            self.rewritten = await svc.rewrite(req.content, history)
+            self.rewritten = await rewrite(svc.llm, svc.prompts, req.content, history)
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
@@ -160,13 +203,13 @@ class Generation:
         alone are the sources."""
         system = await self._grounded_prompt(question)
         if self.request.instructions:
-            system += self.service.prompts.render(
+            system += self.services.prompts.render(
                 "instructions", instructions=self.request.instructions
             )
         return system
 
     async def _grounded_prompt(self, question: str) -> str:
-        svc, req = self.service, self.request
+        svc, req = self.services, self.request
         mode = MODES[req.focus_mode]
         date = datetime.now(UTC).isoformat(timespec="seconds")
         web = mode.sources is not None and mode.sources.applies(req)
@@ -192,7 +235,7 @@ class Generation:
         return svc.prompts.render(prompt, date=date, context=context_of(results))
 
     async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
-        svc = self.service
+        svc = self.services
         names = ", ".join(f.name for f in self.files[:3]) + ("…" if len(self.files) > 3 else "")
         self.out.emit("progress", data=f"searching your files: {names}")
         k = svc.settings.uploads.passages
@@ -202,22 +245,21 @@ class Generation:
     async def _send_sources(self, results: list[SearchResult]) -> None:
         """Save the sources on the question, then send them with the "All Sources" link.
         A store that is away does not stop the answer: they are saved with it."""
-        svc, h = self.service, self.handle
+        svc, h = self.services, self.handle
         entries = source_entries(results)
         try:
             await svc.store.set_sources(h.question_id, entries)
         except Unavailable:
             self.unsaved_sources = entries
-        host = svc.public_host(self.request.host)
-        link = f"//{host}/sources/{h.question_id}?sig={svc.sign(h.question_id)}"
+        link = svc.sources_link(h.question_id, self.request.host)
         all_sources = {"metadata": {"title": "All Sources", "url": link}}
         self.out.emit("sources", data=[*entries, all_sources])
 
     async def _finish(self, status: str, error: AppError | None) -> None:
         """Save the answer, then end the stream. A store that is away does not hold the
-        client up: the client gets its usual end, and the service saves the answer as
+        client up: the client gets its usual end, and the keeper saves the answer as
         soon as the store is back (the events stay in the log meanwhile)."""
-        svc, h = self.service, self.handle
+        svc, h = self.services, self.handle
         final = status if error is None else "failed"
         usage = self._usage()
         saved = Saved(
@@ -242,23 +284,21 @@ class Generation:
                 **({"usage": usage.to_json()} if usage else {}),
             )
         try:
-            # a store that hangs or fails in any way is retried later, never waited on
-            async with asyncio.timeout(STORE_SAVE_SECONDS):
-                await svc.store.finish_answer(h.answer_id, saved)
-        except Exception as exc:
-            if not isinstance(exc, Unavailable | TimeoutError):
-                log.error("saving answer %s failed", h.answer_id, exc_info=exc)
-            svc.save_later(h.answer_id, saved)
+            await svc.keeper.save(h.answer_id, saved)
         finally:
+            svc.keeper.untrack(h.answer_id)
             await svc.hub.finish(h, terminal)
         self._record(final, error)
         if self.new_chat:
-            svc.spawn(svc.make_title(h.chat_id, self.request.content))
+            svc.chores.spawn(
+                make_title(svc.llm, svc.prompts, svc.store, h.chat_id, self.request.content),
+                name=f"title-{h.chat_id}",
+            )
 
     def _usage(self) -> Usage | None:
         """What the answer cost: the model's own count, else an estimate (about four
         characters a token); None when the model was never asked."""
-        model = self.request.model or self.service.settings.llm.model
+        model = self.request.model or self.services.settings.llm.model
         if self.counted is not None:
             details = self.counted.get("completion_tokens_details") or {}
             return Usage(
@@ -275,7 +315,7 @@ class Generation:
 
     def _record(self, status: str, error: AppError | None) -> None:
         """One metrics update and one structured log line per generation."""
-        metrics, req, h = self.service.metrics, self.request, self.handle
+        metrics, req, h = self.services.metrics, self.request, self.handle
         duration = time.monotonic() - self.accepted_at
         metrics.generations.labels(status).inc()
         metrics.generation_duration.observe(duration)
@@ -317,8 +357,3 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 def estimate_tokens(chars: int) -> int:
     """Tokens in so many characters of text, roughly (for a model that does not count)."""
     return (chars + 3) // 4
-
-
-def steps_of(logged: Sequence[Event]) -> list[str]:
-    """An answer's progress lines, in order."""
-    return [str(e.data.get("data", "")) for e in logged if e.type == "progress"]

@@ -13,6 +13,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..events import FOCUS_MODES
 from ..search.base import SearchScope
 
 if TYPE_CHECKING:
@@ -118,3 +119,5 @@ MODES: dict[str, FocusMode] = {
         FocusMode("wolframAlphaSearch", "wolfram_alpha_search", WebSources(WOLFRAM_ALPHA)),
     )
 }
+if tuple(MODES) != FOCUS_MODES:  # the protocol's names and the strategies are one list
+    raise RuntimeError(f"focus modes {tuple(MODES)} differ from the protocol's {FOCUS_MODES}")

@@ -23,7 +23,7 @@ from ..collections.service import CollectionSearch
 from ..config import ResearchSettings
 from ..errors import AppError
 from ..files.service import FileService
-from ..llm import LLMClient
+from ..llm import ChatModel
 from ..prompts import Prompts, answer_lines
 from ..search.base import SearchResult
 from ..search.web import Progress, WebSearch, until_deadline
@@ -54,7 +54,7 @@ class DeepResearch:
         *,
         search: WebSearch,
         files: FileService,
-        llm: LLMClient,
+        llm: ChatModel,
         prompts: Prompts,
     ) -> None:
         self.settings = settings

@@ -20,34 +20,34 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from ..chores import Chores
 from ..collections.service import CollectionService
 from ..config import Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
+from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
-from ..llm import LLMClient
+from ..llm import ChatModel
 from ..metrics import Metrics
 from ..prompts import Prompts, answer_lines
-from ..protocol import ChatRequest, Encoder, Event, parse_event_id
+from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch
-from ..store import Chat, FileRecord, Saved, Store, StoredMessage, Usage
-from ..streams import Handle, LogWriter, StreamHub
-from .generation import TITLE_MAX_CHARS, Generation, steps_of
+from ..store import Chat, FileRecord, Store, StoredMessage, Usage
+from ..streams import LogWriter, StreamHub
+from .generation import Generation, Services
+from .history import HISTORY_MESSAGES, TITLE_MAX_CHARS, format_history, stored_history
+from .keeper import AnswerKeeper
 from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 
-SWEEP_GRACE = 2.0  # seconds an answer row exists before a sweeper looks at it
-SWEEP_PAGE = 200
 COUNT_EVERY = 32  # events a relay sends between updates of its metric
-LOST = "generation lost: its server process stopped"
 
 Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
-HISTORY_MESSAGES = 20
 
 
 class ChatService:
@@ -57,7 +57,7 @@ class ChatService:
         *,
         store: Store,
         hub: StreamHub,
-        llm: LLMClient,
+        llm: ChatModel,
         prompts: Prompts,
         ids: Snowflake,
         search: WebSearch,
@@ -73,18 +73,37 @@ class ChatService:
         self.prompts = prompts
         self.ids = ids
         self.search = search
-        self.research = research
         self.files = files
         self.collections = collections
         self.metrics = metrics
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.chores = Chores("chat service")
+        self.keeper = AnswerKeeper(
+            store,
+            hub,
+            checkpoint_interval=settings.stream.flush_interval_ms / 1000,
+            sweep_interval=min(2.0, settings.stream.handle_ttl_seconds / 3),
+        )
+        self.services = Services(
+            settings=settings,
+            llm=llm,
+            prompts=prompts,
+            search=search,
+            research=research,
+            files=files,
+            store=store,
+            keeper=self.keeper,
+            hub=hub,
+            metrics=metrics,
+            chores=self.chores,
+            sources_link=self.sources_link,
+        )
         self._generations: dict[str, Generation] = {}
         self._runs: set[asyncio.Task[None]] = set()
-        self._unsaved: dict[str, Saved] = {}
-        self._saver: asyncio.Task[Any] | None = None
-        self.sweep_interval = min(2.0, settings.stream.handle_ttl_seconds / 3)
         self._link_key = b""
         self.accepting = True
+        #: why the model, or web search, cannot be used at all, as found at start (or None)
+        self.model_problem: str | None = None
+        self.search_problem: str | None = None
 
     # -- generations -------------------------------------------------------------
 
@@ -102,7 +121,13 @@ class ChatService:
         then nothing was started.
         """
         if not self.accepting:
-            raise Unavailable("the server is shutting down")
+            raise Unavailable("the server is restarting; try again", retry_after=1)
+        cap = self.settings.limits.max_generations_per_process
+        if cap and len(self._generations) >= cap:
+            raise Unavailable(
+                f"this server is answering {cap} questions already; try again shortly",
+                retry_after=2,
+            )
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         chat_id = request.chat_id or self.ids.next_str()
@@ -161,7 +186,7 @@ class ChatService:
             await self.hub.abandon(handle)
             raise
         generation = Generation(
-            self,
+            self.services,
             request,
             handle,
             new_chat=created,
@@ -171,6 +196,7 @@ class ChatService:
             collections=knowledge,
         )
         self._generations[handle.answer_id] = generation
+        self.keeper.track(generation)
         run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
         self._runs.add(run)
         run.add_done_callback(functools.partial(self._ended, handle.answer_id))
@@ -236,6 +262,14 @@ class ChatService:
         self.metrics.resumes.inc()
         return handle, seq
 
+    async def ended_by(self, handle: Handle, seq: int) -> bool:
+        """Whether the generation has ended at or before event `seq` (a resume from
+        there would get nothing)."""
+        if self.hub.local.runs(handle.answer_id):
+            return False
+        logged = await self.hub.logged(handle.answer_id)
+        return bool(logged) and logged[-1].terminal and seq >= logged[-1].seq
+
     async def cancel(self, chat_id: str, user_id: str) -> Handle:
         """Stop the generation running for `chat_id`, wherever it runs."""
         handle = await self.hub.lookup(chat_id)
@@ -254,6 +288,7 @@ class ChatService:
     def _ended(self, answer_id: str, run: asyncio.Task[None]) -> None:
         self._runs.discard(run)
         self._generations.pop(answer_id, None)
+        self.keeper.untrack(answer_id)
         if not run.cancelled() and run.exception() is not None:
             log.error("generation %s failed", answer_id, exc_info=run.exception())
 
@@ -278,6 +313,11 @@ class ChatService:
         sources, and nothing else, without a key."""
         digest = hmac.new(self._link_key, question_id.encode(), hashlib.sha256)
         return digest.hexdigest()[:32]
+
+    def sources_link(self, question_id: str, request_host: str) -> str:
+        """The signed "All Sources" link of a question (host-relative, `//host/…`)."""
+        host = self.public_host(request_host)
+        return f"//{host}/sources/{question_id}?sig={self.sign(question_id)}"
 
     async def list_chats(
         self, user_id: str, limit: int = 100
@@ -314,7 +354,9 @@ class ChatService:
     ) -> StoredMessage:
         """A question with its saved sources, for its owner or for a signed link
         (`sig`, see `sign`). NotFound / Forbidden."""
-        if sig is not None and not hmac.compare_digest(sig, self.sign(question_id)):
+        if sig is not None and not hmac.compare_digest(
+            sig.encode(), self.sign(question_id).encode()
+        ):
             raise Forbidden("this sources link is not valid")
         message = await self.store.get_message(question_id)
         if message is None or message.role != "user":
@@ -329,7 +371,7 @@ class ChatService:
     async def chat_history(self, chat_id: str, user_id: str) -> list[tuple[str, str]]:
         """The stored conversation of a chat its user may read."""
         await self.owned_chat(chat_id, user_id)
-        return await self.stored_history(chat_id)
+        return await stored_history(self.store, chat_id)
 
     async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
         """3 to 5 follow-up questions for a conversation (small model)."""
@@ -345,17 +387,18 @@ class ChatService:
         """What the user's answers cost since `since`, per model."""
         return await self.store.usage(user_id, since)
 
-    async def stored_history(
-        self, chat_id: str, before: str | None = None
-    ) -> list[tuple[str, str]]:
-        """The chat's last turns as (role, text), up to the message `before` (excluded)."""
-        pairs = []
-        for m in await self.store.list_messages(chat_id):
-            if m.id == before:
-                break
-            if m.content and (m.role == "user" or m.status in ("completed", "cancelled")):
-                pairs.append((m.role, m.content))
-        return pairs[-HISTORY_MESSAGES:]
+    async def _probe(self) -> None:
+        """Once at start: can the model and the web search be reached at all? Logged,
+        and said by `/readyz` and `/api/config` before the first question (the server
+        stays ready: either may come back)."""
+        search, model = await asyncio.gather(
+            self.search.probe(), self.llm.probe() if self.llm.configured else _none()
+        )
+        self.search_problem, self.model_problem = search, model
+        if model:
+            log.warning("the model cannot be used: %s", model)
+        if search:
+            log.warning("web search will not work: %s; answers come without sources", search)
 
     async def health(self) -> dict[str, str]:
         """The backends that do not answer, with why (empty when all do)."""
@@ -374,74 +417,18 @@ class ChatService:
             return public.split("://", 1)[-1].rstrip("/")
         return request_host or "127.0.0.1"
 
-    # -- answers nobody will finish, and answers the store could not take -------------------
-
-    async def sweep(self) -> int:
-        """Close the answers left `streaming` by a process that died (a kill -9): each is
-        saved with what its log holds — what a resuming client ends with — as
-        `failed` (or as its logged end said). One process of the deployment sweeps
-        at a time; returns how many it closed."""
-        if not await self.hub.lead("sweeper", ttl=self.sweep_interval * 3):
-            return 0
-        closed = 0
-        # a claim outlives a dead owner by handle_ttl: younger rows cannot be orphans yet
-        before = time.time() - max(SWEEP_GRACE, self.hub.claim_ttl)
-        after: tuple[float, str] | None = None
-        while True:
-            page = await self.store.streaming_answers(before, after, SWEEP_PAGE)
-            candidates = [
-                answer
-                for answer in page
-                if answer.id not in self._generations and answer.id not in self._unsaved
-            ]
-            states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
-            for answer, state in zip(candidates, states, strict=True):
-                if state == "gone":
-                    closed += await self._close_orphan(answer)
-            if len(page) < SWEEP_PAGE:
-                return closed
-            after = (page[-1].created_at, page[-1].id)
-
-    async def _close_orphan(self, answer: StoredMessage) -> int:
-        saved = saved_from(await self.hub.logged(answer.id), fallback=answer)
-        if await self.store.finish_answer(answer.id, saved, only_streaming=True):
-            log.info("closed orphaned answer %s as %s", answer.id, saved.status)
-            return 1
-        return 0
-
-    async def _sweeper(self) -> None:
-        while True:
-            try:
-                await self.sweep()
-            except AppError as exc:
-                log.info("sweep skipped: %s", exc.message)
-            await asyncio.sleep(self.sweep_interval)
-
-    def save_later(self, answer_id: str, saved: Saved) -> None:
-        """Keep saving an ended answer until the store takes it."""
-        log.warning("answer %s could not be saved yet; retrying until the store is back", answer_id)
-        self._unsaved[answer_id] = saved
-        if self._saver is None or self._saver.done():
-            self._saver = self.spawn(self._save_pending())
-
-    async def _save_pending(self) -> None:
-        delay = 0.2
-        while self._unsaved:
-            await asyncio.sleep(delay)
-            for answer_id, saved in list(self._unsaved.items()):
-                try:
-                    await self.store.finish_answer(answer_id, saved)
-                except Unavailable:
-                    delay = min(delay * 2, 5.0)
-                    break
-                del self._unsaved[answer_id]
-                log.info("answer %s saved after the store came back", answer_id)
+    # -- lifecycle --------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Load what the deployment shares (the link key) and start the background
-        chores (the sweeper, which first closes what a crash left)."""
+        """Load what the deployment shares (the link key) and start the keeper (whose
+        sweeper first closes what a crash left)."""
         self._link_key = (await self.store.secret("sources-links")).encode()
-        self.spawn(self._sweeper())
+        await self.keeper.open()
+        self.chores.spawn(self._probe(), name="probe")
+
+    async def sweep(self) -> int:
+        """Close what dead processes left (see `AnswerKeeper.sweep`)."""
+        return await self.keeper.sweep()
 
     def running(self) -> int:
         return len(self._generations)
@@ -468,82 +455,12 @@ class ChatService:
             generation.request_cancel()
 
     async def aclose(self, grace: float = 0.0) -> None:
-        """Drain (see `drain`), make a last attempt at saving what the store did not
-        take, then stop background chores."""
+        """Drain (see `drain`), let the keeper make a last attempt at saving what the
+        store did not take, then stop background chores."""
         await self.drain(grace)
-        for answer_id, saved in list(self._unsaved.items()):
-            try:
-                await self.store.finish_answer(answer_id, saved)
-            except Unavailable:
-                log.error("answer %s is not saved: the store is unavailable", answer_id)
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
-
-    # -- helpers ------------------------------------------------------------------
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run a background chore (title) owned by the service; its errors are logged."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._chore_done)
-        return task
-
-    def _chore_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background task failed: %r", task.exception())
-
-    async def make_title(self, chat_id: str, question: str) -> None:
-        prompt = self.prompts.render("title", question=question)
-        try:
-            title = await self.llm.complete([{"role": "user", "content": prompt}], max_tokens=30)
-        except AppError as exc:
-            log.info("title for chat %s not made: %s", chat_id, exc.message)
-            return
-        title = (answer_lines(title) or [""])[0].strip("\"'“”")
-        if title:
-            await self.store.set_title(chat_id, title[:TITLE_MAX_CHARS])
-
-    async def rewrite(self, question: str, history: Sequence[tuple[str, str]]) -> str | None:
-        """The standalone form of `question`, or None when it needs none (or the model failed)."""
-        prompt = self.prompts.render(
-            "rewrite_question", history=format_history(history) or "(none)", question=question
-        )
-        try:
-            text = await self.llm.complete([{"role": "user", "content": prompt}], max_tokens=200)
-        except AppError as exc:
-            log.info("rewrite skipped: %s", exc.message)
-            return None
-        text = text.strip().strip("\"'“”").strip()
-        if not text or text.lower().strip(" .") == "not_needed" or text == question:
-            return None
-        return text
+        await self.keeper.aclose()
+        await self.chores.aclose()
 
 
-def saved_from(logged: list[Event], fallback: StoredMessage | None = None) -> Saved:
-    """What to save for an answer from its logged events: their text and progress
-    lines, and the status its end gave (`failed` when it has none: its process died,
-    or it ended with an error, which is saved too)."""
-    content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
-    reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
-    if not logged and fallback is not None:
-        content, reasoning = fallback.content, fallback.reasoning
-    status, error = "failed", None
-    last = logged[-1] if logged else None
-    if last is not None and last.type == "messageEnd":
-        status = last.data.get("status", "completed")
-    elif last is not None and last.type == "error":
-        error = {"key": str(last.data.get("key")), "data": str(last.data.get("data"))}
-    else:
-        error = {"key": "STREAM_ERROR", "data": LOST}
-    return Saved(
-        content=content, reasoning=reasoning, status=status, steps=steps_of(logged), error=error
-    )
-
-
-def format_history(history: Sequence[tuple[str, str]]) -> str:
-    return "\n".join(
-        f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history
-    )
+async def _none() -> None:
+    return None

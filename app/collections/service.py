@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from ..chores import Chores
 from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
 from ..files.extract import Chunk, chunk_pages, clean, extract_many
@@ -49,8 +50,6 @@ MAX_SHARED = 100
 MAX_URLS = 100
 BATCH_FILES = 32  # documents read by one child process and indexed in one commit
 BATCH_BYTES = 16 * 1024 * 1024
-
-Spawn = Callable[[Coroutine[Any, Any, Any]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +74,6 @@ class CollectionService:
         retriever: Retriever,
         reader: Reader,
         ids: Snowflake,
-        spawn: Spawn,
     ) -> None:
         self.settings = settings
         self.uploads = uploads
@@ -85,8 +83,12 @@ class CollectionService:
         self.embedder = retriever.embedder
         self.reader = reader
         self.ids = ids
-        self.spawn = spawn
+        self._chores = Chores("collections")
         self._importing = asyncio.Semaphore(max(1, settings.import_concurrency))
+
+    async def aclose(self) -> None:
+        """Stop the imports still running (their documents stay `indexing` until swept)."""
+        await self._chores.aclose()
 
     # -- collections ----------------------------------------------------------------------
 
@@ -277,10 +279,10 @@ class CollectionService:
             batch.append((record, item))
             size += len(item.data) if isinstance(item, Entry) else BATCH_BYTES
             if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
-                self.spawn(self._index(batch))
+                self._chores.spawn(self._index(batch))
                 batch, size = [], 0
         if batch:
-            self.spawn(self._index(batch))
+            self._chores.spawn(self._index(batch))
         return import_id, records
 
     async def _index(self, batch: list[tuple[DocumentRecord, Entry | str]]) -> None:

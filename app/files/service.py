@@ -13,14 +13,16 @@ before the engine held uploads is put in it from the store the first time it is 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
+from ..chores import Chores
 from ..collections.base import Passage as IndexedPassage
 from ..collections.retrieval import Retriever
 from ..config import UploadSettings
@@ -33,6 +35,8 @@ from .extract import Extracted, extract, kind_of
 from .index import Bm25Index, bm25_scores, unit_rows
 
 log = logging.getLogger("app.files")
+
+STOPPED = "the server stopped while reading this file; upload it again"
 
 
 def uploads_space(user_id: str) -> str:
@@ -55,13 +59,23 @@ class FileService:
         embedder: Embedder,
         ids: Snowflake,
         retriever: Retriever,
+        indexer: str = "",
     ) -> None:
         self.settings = settings
         self.store = store
         self.embedder = embedder
         self.ids = ids
         self.retriever = retriever
+        #: this process's worker lease token, kept with the uploads it reads: one left
+        #: `indexing` by a process that died is swept as `failed`
+        self.indexer = indexer
         self._in_engine: set[str] = set()  # files known to be in the engine
+        self._chores = Chores("uploads")
+
+    async def aclose(self) -> None:
+        """Stop reading uploads still being read; each is marked `failed` (upload it
+        again) rather than left `indexing`."""
+        await self._chores.aclose()
 
     # -- uploads ----------------------------------------------------------------------------
 
@@ -72,21 +86,15 @@ class FileService:
         `failed`, saying why)."""
         record = self._record(user_id, name, data)
         extracted = await self._extract(record, data)
-        await self.store.add_file(record)
+        await self.store.add_file(record, self.indexer)
         return await self._index(record, extracted)
 
-    async def upload_later(
-        self,
-        user_id: str,
-        name: str,
-        data: bytes,
-        spawn: Callable[[Coroutine[Any, Any, None]], object],
-    ) -> FileRecord:
-        """Store the file as `indexing` and index it in the background (`spawn`);
-        poll `get` for `ready` or `failed` (with why)."""
+    async def upload_later(self, user_id: str, name: str, data: bytes) -> FileRecord:
+        """Store the file as `indexing` and index it in the background; poll `get` for
+        `ready` or `failed` (with why)."""
         record = self._record(user_id, name, data)
-        await self.store.add_file(record)
-        spawn(self._index_later(record, data))
+        await self.store.add_file(record, self.indexer)
+        self._chores.spawn(self._index_later(record, data), name=f"upload-{record.id}")
         return record
 
     async def _index_later(self, record: FileRecord, data: bytes) -> None:
@@ -96,6 +104,12 @@ class FileService:
         except AppError as exc:
             failed = replace(record, status="failed", error=exc.message)
             await self.store.finish_file(failed, [])
+        except asyncio.CancelledError:  # the server stops: say so, then stop
+            failed = replace(record, status="failed", error=STOPPED)
+            with contextlib.suppress(AppError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(self.store.finish_file(failed, []))
+            raise
 
     def _record(self, user_id: str, name: str, data: bytes) -> FileRecord:
         name = clean_name(name)

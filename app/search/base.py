@@ -79,6 +79,12 @@ class SearchProvider(abc.ABC):
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
 
+    @property
+    def endpoint(self) -> str:
+        """A URL whose host the provider talks to (what the start-up check connects
+        to); "" for one that needs no network."""
+        return ""
+
     @abc.abstractmethod
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None
@@ -95,13 +101,17 @@ class SearchProvider(abc.ABC):
 
     async def _json(self, request: httpx.Request) -> Any:
         """Send and decode, mapping every transport and status failure to SearchError."""
+        # logged: the provider and its host, never the URL (a key and the user's
+        # question are in its query string) nor what the provider answered
         try:
             response = await self.http.send(request)
         except httpx.HTTPError as exc:
-            log.warning("%s is unreachable: %r", self.name, exc)
+            log.warning(
+                "%s is unreachable (%s at %s)", self.name, type(exc).__name__, request.url.host
+            )
             raise SearchError(f"{self.name} is unreachable") from exc
         if response.status_code >= 400:
-            log.warning("%s answered %d: %s", self.name, response.status_code, response.text[:200])
+            log.warning("%s answered %d", self.name, response.status_code)
             raise SearchError(f"{self.name} answered {response.status_code}")
         try:
             return response.json()

@@ -91,6 +91,10 @@ class DdgsSearch(SearchProvider):
         )
         self._flights: dict[Key, asyncio.Future[list[dict[str, Any]]]] = {}
 
+    @property
+    def endpoint(self) -> str:
+        return "https://html.duckduckgo.com"  # the library's first service
+
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None
     ) -> list[SearchResult]:
@@ -226,7 +230,10 @@ def plain_words(exc: BaseException) -> str:
     if any(isinstance(c, TimeoutException) for c in causes):
         return "the keyless search services did not answer in time"
     if isinstance(exc, DDGSException) and str(exc) == "No results found.":
-        return "the keyless search services found nothing (or are refusing this server)"
+        return "the keyless search services found nothing, or are refusing this server"
     if isinstance(exc, DDGSException):
-        return "the keyless search services cannot be reached (offline, or blocking this server)"
+        return (
+            "the keyless search services cannot be reached: this server may be offline, "
+            "or they are blocking it"
+        )
     return "the keyless search failed on an answer it could not read"

@@ -52,6 +52,10 @@ class GoogleSearch(SearchProvider):
         items = body.get("items", [])
         return items if isinstance(items, list) else []
 
+    @property
+    def endpoint(self) -> str:
+        return self.settings.base_url
+
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None
     ) -> list[SearchResult]:

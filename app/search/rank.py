@@ -8,7 +8,7 @@ import orjson
 
 from ..errors import AppError
 from ..files.index import unit_rows
-from ..llm import Embedder, LLMClient
+from ..llm import ChatModel, Embedder
 from ..prompts import Prompts
 from .base import SearchResult
 
@@ -29,7 +29,7 @@ async def rank_by_embeddings(
 
 
 async def select_with_model(
-    llm: LLMClient, prompts: Prompts, question: str, results: list[SearchResult], limit: int
+    llm: ChatModel, prompts: Prompts, question: str, results: list[SearchResult], limit: int
 ) -> list[SearchResult]:
     """The results the small model picks, at most `limit`, best first. When it answers
     `not_found`, nothing usable or fails, the provider's first `limit` results."""

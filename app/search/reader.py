@@ -64,9 +64,9 @@ class JinaReader(Reader):
                 timeout=self.settings.timeout_seconds,
             )
         except httpx.HTTPError as exc:
-            raise SearchError(f"reader unreachable for {url} ({type(exc).__name__})") from exc
+            raise SearchError(f"the reader is unreachable ({type(exc).__name__})") from exc
         if response.status_code >= 400:
-            raise SearchError(f"reader answered {response.status_code} for {url}")
+            raise SearchError(f"the reader answered {response.status_code}")
         return clip(response.text)
 
 
@@ -165,14 +165,14 @@ class BuiltinReader(Reader):
 
     async def read(self, url: str) -> str:
         if not url.startswith(("http://", "https://")):
-            raise SearchError(f"refused: only http and https pages are read ({url[:80]})")
+            raise SearchError("refused: only http and https pages are read")
         try:
             async with self.http.stream("GET", url) as response:
                 if response.status_code >= 400:
-                    raise SearchError(f"{url} answered {response.status_code}")
+                    raise SearchError(f"the page answered {response.status_code}")
                 kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
                 if kind and kind not in TEXT_TYPES:
-                    raise SearchError(f"{url} is {kind}, not a text page")
+                    raise SearchError(f"the page is {kind}, not a text page")
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
                     body += chunk
@@ -180,7 +180,11 @@ class BuiltinReader(Reader):
                         break  # enough to find the main text
                 encoding = response.encoding or "utf-8"
         except httpx.HTTPError as exc:
-            raise SearchError(f"cannot read {url}: {exc}") from exc
+            # our own refusal (a non-public address) says why; anything else only its
+            # kind: httpx's messages may carry the URL
+            said = str(exc)
+            reason = said if said.startswith("refused") else type(exc).__name__
+            raise SearchError(f"the page cannot be read: {reason}") from exc
         text = bytes(body).decode(encoding, errors="replace")
         if kind in ("text/plain", "text/markdown"):
             return clip(text)

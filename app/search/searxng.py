@@ -43,6 +43,10 @@ class SearxngSearch(SearchProvider):
             raise SearchError("SearxNG answered without a result list")
         return [item for item in items if isinstance(item, dict)]
 
+    @property
+    def endpoint(self) -> str:
+        return self.settings.url
+
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None
     ) -> list[SearchResult]:

@@ -46,6 +46,10 @@ class TavilySearch(SearchProvider):
             raise SearchError("Tavily answered with an unexpected body")
         return answer
 
+    @property
+    def endpoint(self) -> str:
+        return self.settings.base_url
+
     async def search(
         self, query: str, limit: int, scope: SearchScope | None = None
     ) -> list[SearchResult]:

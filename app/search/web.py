@@ -13,20 +13,25 @@ keeps its snippet; the whole of search and reading is bounded by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
+from ..chores import cancel_and_wait
 from ..config import Settings
 from ..errors import AppError, SearchError
-from ..llm import Embedder, LLMClient
+from ..llm import ChatModel, Embedder
 from ..prompts import Prompts
 from .base import MediaResult, NewsItem, SearchProvider, SearchResult, SearchScope
 from .ddgs import DdgsSearch
+from .demo import DemoSearch
 from .google import GoogleSearch
 from .rank import rank_by_embeddings, select_with_model
 from .reader import Reader, open_reader
@@ -41,6 +46,8 @@ DISCOVER_SECONDS = 300.0
 DISCOVER_TOPICS = ("technology", "science", "artificial intelligence", "world news")
 SNIPPET_CHARS = 500
 CONTEXT_CHARS_PER_SOURCE = 6000
+PROBE_SECONDS = 5.0
+PROVIDER_LABELS = {"tavily": "Tavily", "searxng": "SearxNG", "google": "Google", "ddgs": "keyless"}
 
 
 class Progress(Protocol):
@@ -106,8 +113,10 @@ def open_provider(settings: Settings, http: httpx.AsyncClient) -> SearchProvider
         return GoogleSearch(http, settings.google)
     if provider == "ddgs":
         return DdgsSearch(http, settings.ddgs, timeout=settings.search.timeout_seconds)
+    if provider == "demo":
+        return DemoSearch(http)
     raise ValueError(
-        f"unsupported search.provider {provider!r}: use auto, tavily, searxng, google or ddgs"
+        f"unsupported search.provider {provider!r}: use auto, tavily, searxng, google, ddgs or demo"
     )
 
 
@@ -116,7 +125,7 @@ class WebSearch:
         self,
         settings: Settings,
         *,
-        llm: LLMClient,
+        llm: ChatModel,
         embedder: Embedder,
         prompts: Prompts,
         provider: SearchProvider | None = None,
@@ -137,6 +146,31 @@ class WebSearch:
     async def aclose(self) -> None:
         await self.reader.aclose()
         await self.http.aclose()
+
+    async def probe(self) -> str | None:
+        """Why web search cannot work from here (its service cannot even be connected
+        to: offline, a wrong address), in words; None when it can be. Nothing is
+        searched: a connection is opened and closed."""
+        url = urlsplit(self.provider.endpoint)
+        if not url.hostname:
+            return None
+        port = url.port or (443 if url.scheme == "https" else 80)
+        who = f"the {PROVIDER_LABELS.get(self.provider.name, self.provider.name)} search service"
+        try:
+            async with asyncio.timeout(PROBE_SECONDS):
+                _, writer = await asyncio.open_connection(url.hostname, port)
+        except socket.gaierror:
+            return f"{who} cannot be reached: its address does not resolve (offline?)"
+        except ConnectionRefusedError:
+            return f"{who} refused the connection: nothing listens at its address"
+        except TimeoutError:
+            return f"{who} did not answer: this server may be offline"
+        except OSError:
+            return f"{who} cannot be reached from this server"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return None
 
     # -- images, videos, news: what the provider has, [] rather than an error ------------------
 
@@ -251,7 +285,8 @@ class WebSearch:
             async with asyncio.timeout(timeout):
                 return await self.reader.read(url)
         except (SearchError, TimeoutError) as exc:
-            log.info("reading %s failed: %s", url, getattr(exc, "message", exc) or "timeout")
+            what = getattr(exc, "message", None) or "timeout"
+            log.info("reading a page of %s failed: %s", urlsplit(url).hostname, what)
             return ""
 
 
@@ -263,8 +298,8 @@ async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -
     try:
         done, _ = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
     finally:
-        for task in tasks:
-            task.cancel()
+        # what is late is cancelled and waited for: no request outlives its search
+        await asyncio.shield(cancel_and_wait(tasks))
     return [
         task.result()
         if task in done and not task.cancelled() and task.exception() is None

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from .base import (
+    Account,
+    AccountChange,
+    ApiKey,
     Chat,
+    Checkpoint,
     CollectionRecord,
     DocumentRecord,
     FileRecord,
@@ -35,7 +39,11 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
 
 
 __all__ = [
+    "Account",
+    "AccountChange",
+    "ApiKey",
     "Chat",
+    "Checkpoint",
     "CollectionRecord",
     "DocumentRecord",
     "FileRecord",

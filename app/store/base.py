@@ -1,5 +1,6 @@
-"""The store interface: chats and their messages, and what the processes of one
-deployment share (worker numbers for ids, secrets).
+"""The store interface: chats and their messages, uploaded files, accounts (their
+sessions, API keys and invites), and what the processes of one deployment share
+(worker numbers for ids, secrets).
 
 Ids are opaque strings. `created_at` is Unix seconds (float). Messages of a
 chat are ordered by `created_at`, then id.
@@ -12,6 +13,7 @@ Errors are mapped at this boundary: a backend that cannot be reached raises
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
-from ..errors import AppError, Conflict, Forbidden, Unavailable
+from ..errors import AppError, BadRequest, Conflict, Forbidden, Unavailable
 
 log = logging.getLogger("app.store")
 
@@ -199,7 +201,148 @@ class Saved:
     error: dict[str, str] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A running answer as far as it got: its text, reasoning and progress lines."""
+
+    answer_id: str
+    content: str
+    reasoning: str
+    steps: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """A person or an app's user (PROTOCOL §7). `email` (lower-case, unique) and
+    `password_hash` for password sign-in; `issuer` + `subject` (unique together) for
+    an account an identity provider vouches for (OIDC sign-in, bearer JWTs).
+    `tokens_per_day` None means `limits.tokens_per_day`."""
+
+    id: str
+    name: str
+    role: str = "user"  # "admin" | "user"
+    email: str | None = None
+    password_hash: str | None = field(default=None, repr=False)
+    disabled: bool = False
+    tokens_per_day: int | None = None
+    issuer: str | None = None
+    subject: str | None = None
+    created_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "email": self.email,
+            "name": self.name,
+            "role": self.role,
+            "disabled": self.disabled,
+            "tokensPerDay": self.tokens_per_day,
+            "signIn": "password" if self.password_hash else ("oidc" if self.issuer else None),
+            "createdAt": iso(self.created_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AccountChange:
+    """What an admin changes of an account; None leaves a field as it is, and
+    `default_quota` sets `tokens_per_day` back to the default."""
+
+    disabled: bool | None = None
+    role: str | None = None
+    tokens_per_day: int | None = None
+    default_quota: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A user's API key as listed: never the key itself (only its hash is stored) but
+    its first characters, to tell keys apart."""
+
+    id: str
+    user_id: str
+    name: str
+    prefix: str
+    created_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "prefix": self.prefix,
+            "createdAt": iso(self.created_at),
+        }
+
+
 #: the column order both backends select in, so one mapping serves both
+ACCOUNT_COLUMNS = (
+    "id, name, role, email, password_hash, disabled, tokens_per_day, issuer, subject, created_at"
+)
+API_KEY_COLUMNS = "id, account_id, name, prefix, created_at"
+
+
+def account_from_row(row: Any) -> Account:
+    return Account(
+        id=str(row[0]),
+        name=row[1],
+        role=row[2],
+        email=row[3],
+        password_hash=row[4],
+        disabled=bool(row[5]),
+        tokens_per_day=row[6],
+        issuer=row[7],
+        subject=row[8],
+        created_at=row[9],
+    )
+
+
+def account_params(a: Account) -> tuple[Any, ...]:
+    return (
+        a.id,
+        a.name,
+        a.role,
+        a.email,
+        a.password_hash,
+        a.disabled,
+        a.tokens_per_day,
+        a.issuer,
+        a.subject,
+        a.created_at,
+    )
+
+
+def account_change_sql(change: AccountChange, mark: str) -> tuple[list[str], list[Any]]:
+    """The `SET` clauses of an `AccountChange` and their values; `mark` is the
+    backend's placeholder (`?`, or `$` to be numbered from 1)."""
+    sets: list[str] = []
+    params: list[Any] = []
+
+    def put(column: str, value: Any) -> None:
+        params.append(value)
+        sets.append(f"{column} = " + (f"${len(params)}" if mark == "$" else mark))
+
+    if change.disabled is not None:
+        put("disabled", change.disabled)
+    if change.role is not None:
+        put("role", change.role)
+    if change.default_quota:
+        put("tokens_per_day", None)
+    elif change.tokens_per_day is not None:
+        put("tokens_per_day", change.tokens_per_day)
+    return sets, params
+
+
+def api_key_from_row(row: Any) -> ApiKey:
+    return ApiKey(str(row[0]), str(row[1]), row[2], row[3], row[4])
+
+
+def no_admin_left() -> Conflict:
+    return Conflict("at least one enabled admin must remain")
+
+
+def bad_invite() -> Forbidden:
+    return Forbidden("this invite code is not valid (unknown, used or expired)")
+
+
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 FILE_COLUMNS = "id, user_id, name, kind, size, created_at, status, pages, chunks, error"
 
@@ -362,26 +505,77 @@ T = TypeVar("T")
 Method = Callable[P, Coroutine[Any, Any, T]]
 
 
-def mapping_errors(
-    errors: tuple[type[BaseException], ...],
-) -> Callable[[Method[P, T]], Method[P, T]]:
-    """A decorator for a backend's methods: the driver's `errors` (it cannot reach or
-    use the database now) become `Unavailable`; our own errors (`Conflict`, raised
-    inside where a key is taken) pass."""
+@dataclass(frozen=True, slots=True)
+class DriverErrors:
+    """How a backend's driver errors read (a tuple of classes each, checked in this
+    order): `unavailable`, the database cannot be reached or used now (retry later);
+    `conflict`, a key or constraint the write broke; `data`, a value the database
+    cannot keep. Any other driver error is a bug: 500 `INTERNAL`, logged."""
+
+    unavailable: tuple[type[BaseException], ...]
+    conflict: tuple[type[BaseException], ...] = ()
+    data: tuple[type[BaseException], ...] = ()
+    every: tuple[type[BaseException], ...] = ()  # the driver's root error(s)
+
+
+def mapping_errors(errors: DriverErrors) -> Callable[[Method[P, T]], Method[P, T]]:
+    """A decorator for a backend's methods: the arguments are cleaned of NUL
+    characters (which PostgreSQL's text and jsonb refuse, and model output or a web
+    page may hold), and the driver's errors become ours (see `DriverErrors`); our
+    own errors (`Conflict` raised where a key is taken) pass."""
 
     def decorate(method: Method[P, T]) -> Method[P, T]:
         @functools.wraps(method)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+            args = clean(args)
+            kwargs = clean(kwargs)
             try:
                 return await method(*args, **kwargs)
             except AppError:
                 raise
-            except errors as exc:
+            except errors.unavailable as exc:
                 raise unavailable(exc) from exc
+            except errors.conflict as exc:
+                log.warning("store refused a write: %r", exc)
+                raise Conflict("the store refused a conflicting write") from exc
+            except errors.data as exc:
+                log.warning("store refused a value: %r", exc)
+                raise BadRequest("the store cannot keep a value of this request") from exc
+            except errors.every as exc:
+                log.error("store failed in %s", method.__name__, exc_info=exc)
+                raise AppError("internal error") from exc
 
         return wrapper
 
     return decorate
+
+
+def clean(value: Any) -> Any:
+    """`value` without NUL characters in any of its text: strings, and the strings
+    inside lists, tuples, dicts and dataclasses (bytes are left as they are). What
+    holds none is returned as it is, so the usual call costs a scan and nothing more."""
+    if isinstance(value, str):
+        return value.replace("\x00", "") if "\x00" in value else value
+    if isinstance(value, list):
+        cleaned = [clean(v) for v in value]
+        return value if all(a is b for a, b in zip(cleaned, value, strict=True)) else cleaned
+    if isinstance(value, tuple):
+        cleaned_t = tuple(clean(v) for v in value)
+        return value if all(a is b for a, b in zip(cleaned_t, value, strict=True)) else cleaned_t
+    if isinstance(value, dict):
+        items = [(clean(k), clean(v)) for k, v in value.items()]
+        if all(ck is k and cv is v for (ck, cv), (k, v) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {}
+        for f in dataclasses.fields(value):
+            old = getattr(value, f.name)
+            new = clean(old)
+            if new is not old:
+                changed[f.name] = new
+        return dataclasses.replace(value, **changed) if changed else value
+    return value
 
 
 def unavailable(exc: BaseException) -> Unavailable:
@@ -474,6 +668,11 @@ class Store(abc.ABC):
         Saving the same answer twice is harmless."""
 
     @abc.abstractmethod
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        """Save running answers as far as they got, in one transaction; an answer no
+        longer `streaming` is left as it is."""
+
+    @abc.abstractmethod
     async def get_message(self, message_id: str) -> StoredMessage | None: ...
 
     @abc.abstractmethod
@@ -512,8 +711,15 @@ class Store(abc.ABC):
     # -- uploaded files -------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def add_file(self, record: FileRecord) -> None:
-        """A new upload (status `indexing`)."""
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
+        """A new upload (status `indexing`), read by the process whose worker lease has
+        the token `indexer`."""
+
+    @abc.abstractmethod
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        """Mark `failed` (with `error`) the uploads still `indexing` that were made
+        before `created_before` by a process whose worker lease has run out (it died
+        while reading them). Returns how many."""
 
     @abc.abstractmethod
     async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:
@@ -592,3 +798,79 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
         """What the user's answers since `since` cost, summed per model."""
+
+    @abc.abstractmethod
+    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
+        """Tokens (prompt + completion) of every user's answers since `since`, by user
+        id (users without any left out)."""
+
+    # -- accounts ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def add_account(
+        self, account: Account, *, admin_if_none: bool = False, invite: str | None = None
+    ) -> Account:
+        """Create an account and return it as stored. In one transaction: with
+        `admin_if_none`, it is made `admin` when no admin exists yet (so the first
+        account of a deployment is its admin, however many sign up at once); with
+        `invite` (an invite code's hash) that invite is spent, unless no admin exists
+        yet (nobody could have made one). Raises `Conflict` when the email or the
+        issuer + subject is taken and `Forbidden` for an invite that is unknown, spent
+        or expired; then nothing is written."""
+
+    @abc.abstractmethod
+    async def get_account(self, account_id: str) -> Account | None: ...
+
+    @abc.abstractmethod
+    async def account_by_email(self, email: str) -> Account | None:
+        """The account of a (lower-case) email."""
+
+    @abc.abstractmethod
+    async def account_by_subject(self, issuer: str, subject: str) -> Account | None: ...
+
+    @abc.abstractmethod
+    async def list_accounts(self, limit: int = 1000) -> list[Account]:
+        """Every account, oldest first."""
+
+    @abc.abstractmethod
+    async def has_admin(self) -> bool:
+        """Whether any account is an admin."""
+
+    @abc.abstractmethod
+    async def update_account(self, account_id: str, change: AccountChange) -> Account | None:
+        """Apply an admin's change and return the account (None when there is none).
+        Disabling an account deletes its sessions in the same transaction. Raises
+        `Conflict` when the change would leave no enabled admin; then nothing changes."""
+
+    # -- sessions (cookies) and API keys, by the SHA-256 of their secret ---------------------
+
+    @abc.abstractmethod
+    async def add_session(self, token_hash: str, account_id: str, expires_at: float) -> None:
+        """A new session (expired ones are deleted on the way)."""
+
+    @abc.abstractmethod
+    async def session_account(self, token_hash: str) -> Account | None:
+        """The account of a session that has not expired (disabled or not: the caller
+        decides), or None."""
+
+    @abc.abstractmethod
+    async def delete_session(self, token_hash: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def add_api_key(self, key: ApiKey, key_hash: str) -> None: ...
+
+    @abc.abstractmethod
+    async def api_key_account(self, key_hash: str) -> Account | None:
+        """The account of a key that has not been revoked, or None."""
+
+    @abc.abstractmethod
+    async def list_api_keys(self, account_id: str) -> list[ApiKey]:
+        """The account's keys, oldest first."""
+
+    @abc.abstractmethod
+    async def revoke_api_key(self, account_id: str, key_id: str) -> bool:
+        """Delete one of the account's keys; False when it has no such key."""
+
+    @abc.abstractmethod
+    async def add_invite(self, code_hash: str, created_by: str, expires_at: float) -> None:
+        """An invite code (by its hash) that one sign-up may spend before `expires_at`."""

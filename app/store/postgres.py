@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import secrets as random_secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
 import orjson
 
 from .base import (
+    ACCOUNT_COLUMNS,
+    API_KEY_COLUMNS,
     CHAT_COLUMNS,
     COLLECTION_COLUMNS,
     FILE_COLUMNS,
@@ -29,15 +32,25 @@ from .base import (
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
     SQL_SHARES,
+    Account,
+    AccountChange,
+    ApiKey,
     Chat,
+    Checkpoint,
     CollectionRecord,
     DocumentRecord,
+    DriverErrors,
     FileRecord,
     Saved,
     Store,
     StoredChunk,
     StoredMessage,
     Usage,
+    account_change_sql,
+    account_from_row,
+    account_params,
+    api_key_from_row,
+    bad_invite,
     chat_from_row,
     collection_from_row,
     document_from_row,
@@ -48,12 +61,16 @@ from .base import (
     mapping_errors,
     message_from_row,
     message_params,
+    no_admin_left,
     not_yours,
     taken,
     unavailable,
 )
 
 LOCK_ID = 7_138_337_258  # pg_advisory_xact_lock key of the migrations
+#: pg_advisory_xact_lock key of changes that must see every admin (the first account,
+#: the last enabled admin), so two at once cannot both decide on what they saw
+ADMINS_LOCK_ID = 7_138_337_259
 NOW = "extract(epoch from clock_timestamp())"
 
 MIGRATIONS = (
@@ -145,7 +162,54 @@ MIGRATIONS = (
     """
     ALTER TABLE messages ADD COLUMN steps JSONB, ADD COLUMN error JSONB;
     """,
-    # 6: knowledge collections (their passages are in the collections engine)
+    # 6: which process reads an upload (its worker lease's token), so that one left
+    # `indexing` by a process that died can be told from one still being read
+    """
+    ALTER TABLE files ADD COLUMN indexer TEXT;
+    CREATE INDEX files_indexing ON files (created_at) WHERE status = 'indexing';
+    """,
+    # 7: accounts, their sessions and API keys (by the SHA-256 of the secret), invites
+    """
+    CREATE TABLE accounts (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        role TEXT NOT NULL,
+        email TEXT UNIQUE,
+        password_hash TEXT,
+        disabled BOOLEAN NOT NULL DEFAULT false,
+        tokens_per_day BIGINT,
+        issuer TEXT,
+        subject TEXT,
+        created_at DOUBLE PRECISION NOT NULL,
+        UNIQUE (issuer, subject)
+    );
+    CREATE TABLE sessions (
+        token_hash TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX sessions_by_account ON sessions (account_id);
+    CREATE INDEX sessions_by_expiry ON sessions (expires_at);
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        prefix TEXT NOT NULL,
+        key_hash TEXT NOT NULL UNIQUE,
+        created_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX api_keys_by_account ON api_keys (account_id, created_at);
+    CREATE TABLE invites (
+        code_hash TEXT PRIMARY KEY,
+        created_by TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL,
+        used_by TEXT,
+        used_at DOUBLE PRECISION
+    );
+    """,
+    # 8: knowledge collections (their passages are in the collections engine)
     """
     CREATE TABLE collections (
         id TEXT PRIMARY KEY,
@@ -181,19 +245,29 @@ MIGRATIONS = (
     """,
 )
 
-#: what says the database cannot be reached or used right now: connection trouble, and
-#: anything the server refuses (read-only after a failover, out of resources, shutting
-#: down) but a broken constraint, which each method maps where it means something
-UNAVAILABLE = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresError,
+#: how asyncpg's errors read: the database cannot be reached or used now (connection
+#: trouble; refusing writes after a failover; out of resources; shutting down; a
+#: statement timeout; a deadlock or serialization failure, which a retry resolves), a
+#: broken constraint, a value it cannot keep (a NUL in text, say); anything else is a bug
+ERRORS = DriverErrors(
+    unavailable=(
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresConnectionError,
+        asyncpg.InterfaceError,
+        asyncpg.exceptions.InsufficientResourcesError,
+        asyncpg.exceptions.OperatorInterventionError,
+        asyncpg.exceptions.ReadOnlySQLTransactionError,
+        asyncpg.exceptions.TransactionRollbackError,
+        asyncpg.exceptions.PostgresSystemError,
+    ),
+    conflict=(asyncpg.IntegrityConstraintViolationError,),
+    data=(asyncpg.DataError,),
+    every=(asyncpg.PostgresError, asyncpg.exceptions.InternalClientError),
 )
 COMMAND_SECONDS = 10.0
 
-mapped = mapping_errors(UNAVAILABLE)
+mapped = mapping_errors(ERRORS)
 
 
 class PostgresStore(Store):
@@ -235,7 +309,13 @@ class PostgresStore(Store):
 
     @mapped
     async def ping(self) -> None:
-        await self.pool.fetchval("SELECT 1")
+        """Raise unless the database answers and takes writes (a replica promoted
+        back to read-only, say, answers but does not)."""
+        writable = await self.pool.fetchval(
+            "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
+        )
+        if not writable:
+            raise unavailable(RuntimeError("the database is read-only"))
 
     # -- chats --------------------------------------------------------------------------
 
@@ -367,6 +447,14 @@ class PostgresStore(Store):
             return changed
 
     @mapped
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        await self.pool.executemany(
+            "UPDATE messages SET content = $2, reasoning = $3, steps = $4 WHERE id = $1"
+            " AND status = 'streaming'",
+            [(c.answer_id, c.content, c.reasoning, c.steps) for c in progress],
+        )
+
+    @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.pool.fetchrow(
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = $1", message_id
@@ -454,11 +542,24 @@ class PostgresStore(Store):
     # -- uploaded files -------------------------------------------------------------------
 
     @mapped
-    async def add_file(self, record: FileRecord) -> None:
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
         await self.pool.execute(
-            f"INSERT INTO files ({FILE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            f"INSERT INTO files ({FILE_COLUMNS}, indexer)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             *file_params(record),
+            indexer or None,
         )
+
+    @mapped
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        status = await self.pool.execute(
+            "UPDATE files SET status = 'failed', error = $1 WHERE status = 'indexing'"
+            " AND created_at < $2 AND (indexer IS NULL OR indexer NOT IN"
+            f" (SELECT token FROM workers WHERE expires_at > {NOW}))",
+            error,
+            created_before,
+        )
+        return int(status.rsplit(" ", 1)[-1])
 
     @mapped
     async def finish_file(self, record: FileRecord, chunks: list[StoredChunk]) -> None:
@@ -542,6 +643,183 @@ class PostgresStore(Store):
             since,
         )
         return [Usage(r[0], int(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[1])) for r in rows]
+
+    @mapped
+    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
+        rows = await self.pool.fetch(
+            "SELECT c.user_id, sum(m.prompt_tokens + m.completion_tokens)"
+            " FROM messages m JOIN chats c ON c.id = m.chat_id"
+            " WHERE m.role = 'assistant' AND m.model IS NOT NULL AND m.created_at >= $1"
+            " GROUP BY c.user_id",
+            since,
+        )
+        return {str(r[0]): int(r[1] or 0) for r in rows}
+
+    # -- accounts ---------------------------------------------------------------------------
+
+    @mapped
+    async def add_account(
+        self, account: Account, *, admin_if_none: bool = False, invite: str | None = None
+    ) -> Account:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", ADMINS_LOCK_ID)
+            has_admin = bool(
+                await conn.fetchval("SELECT exists(SELECT 1 FROM accounts WHERE role = 'admin')")
+            )
+            if admin_if_none and not has_admin:
+                account = replace(account, role="admin")
+            try:
+                await conn.execute(
+                    f"INSERT INTO accounts ({ACCOUNT_COLUMNS})"
+                    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                    *account_params(account),
+                )
+            except asyncpg.UniqueViolationError as exc:
+                raise taken("this email or identity") from exc
+            if invite is not None and has_admin:
+                status = await conn.execute(
+                    "UPDATE invites SET used_by = $1, used_at = $2 WHERE code_hash = $3"
+                    f" AND used_by IS NULL AND expires_at > {NOW}",
+                    account.id,
+                    account.created_at,
+                    invite,
+                )
+                if not _one_row(status):
+                    raise bad_invite()
+            return account
+
+    @mapped
+    async def get_account(self, account_id: str) -> Account | None:
+        return await self._account("id = $1", account_id)
+
+    @mapped
+    async def account_by_email(self, email: str) -> Account | None:
+        return await self._account("email = $1", email)
+
+    @mapped
+    async def account_by_subject(self, issuer: str, subject: str) -> Account | None:
+        return await self._account("issuer = $1 AND subject = $2", issuer, subject)
+
+    async def _account(self, where: str, *params: Any) -> Account | None:
+        row = await self.pool.fetchrow(
+            f"SELECT {ACCOUNT_COLUMNS} FROM accounts WHERE {where}", *params
+        )
+        return account_from_row(row) if row else None
+
+    @mapped
+    async def list_accounts(self, limit: int = 1000) -> list[Account]:
+        rows = await self.pool.fetch(
+            f"SELECT {ACCOUNT_COLUMNS} FROM accounts ORDER BY created_at, id LIMIT $1", limit
+        )
+        return [account_from_row(row) for row in rows]
+
+    @mapped
+    async def has_admin(self) -> bool:
+        return bool(
+            await self.pool.fetchval("SELECT exists(SELECT 1 FROM accounts WHERE role = 'admin')")
+        )
+
+    @mapped
+    async def update_account(self, account_id: str, change: AccountChange) -> Account | None:
+        sets, params = account_change_sql(change, "$")
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", ADMINS_LOCK_ID)
+            if sets:
+                status = await conn.execute(
+                    f"UPDATE accounts SET {', '.join(sets)} WHERE id = ${len(params) + 1}",
+                    *params,
+                    account_id,
+                )
+                if not _one_row(status):
+                    return None
+                admins = await conn.fetchval(
+                    "SELECT count(*) FROM accounts WHERE role = 'admin' AND NOT disabled"
+                )
+                if admins == 0:
+                    raise no_admin_left()
+            if change.disabled:
+                await conn.execute("DELETE FROM sessions WHERE account_id = $1", account_id)
+            row = await conn.fetchrow(
+                f"SELECT {ACCOUNT_COLUMNS} FROM accounts WHERE id = $1", account_id
+            )
+            return account_from_row(row) if row else None
+
+    # -- sessions and API keys --------------------------------------------------------------
+
+    @mapped
+    async def add_session(self, token_hash: str, account_id: str, expires_at: float) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(f"DELETE FROM sessions WHERE expires_at <= {NOW}")
+            await conn.execute(
+                "INSERT INTO sessions (token_hash, account_id, created_at, expires_at)"
+                f" VALUES ($1, $2, {NOW}, $3)",
+                token_hash,
+                account_id,
+                expires_at,
+            )
+
+    @mapped
+    async def session_account(self, token_hash: str) -> Account | None:
+        columns = ", ".join(f"a.{c.strip()}" for c in ACCOUNT_COLUMNS.split(","))
+        row = await self.pool.fetchrow(
+            f"SELECT {columns} FROM sessions s JOIN accounts a ON a.id = s.account_id"
+            f" WHERE s.token_hash = $1 AND s.expires_at > {NOW}",
+            token_hash,
+        )
+        return account_from_row(row) if row else None
+
+    @mapped
+    async def delete_session(self, token_hash: str) -> bool:
+        return _one_row(
+            await self.pool.execute("DELETE FROM sessions WHERE token_hash = $1", token_hash)
+        )
+
+    @mapped
+    async def add_api_key(self, key: ApiKey, key_hash: str) -> None:
+        await self.pool.execute(
+            f"INSERT INTO api_keys ({API_KEY_COLUMNS}, key_hash) VALUES ($1, $2, $3, $4, $5, $6)",
+            key.id,
+            key.user_id,
+            key.name,
+            key.prefix,
+            key.created_at,
+            key_hash,
+        )
+
+    @mapped
+    async def api_key_account(self, key_hash: str) -> Account | None:
+        columns = ", ".join(f"a.{c.strip()}" for c in ACCOUNT_COLUMNS.split(","))
+        row = await self.pool.fetchrow(
+            f"SELECT {columns} FROM api_keys k JOIN accounts a ON a.id = k.account_id"
+            " WHERE k.key_hash = $1",
+            key_hash,
+        )
+        return account_from_row(row) if row else None
+
+    @mapped
+    async def list_api_keys(self, account_id: str) -> list[ApiKey]:
+        rows = await self.pool.fetch(
+            f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE account_id = $1 ORDER BY created_at, id",
+            account_id,
+        )
+        return [api_key_from_row(row) for row in rows]
+
+    @mapped
+    async def revoke_api_key(self, account_id: str, key_id: str) -> bool:
+        status = await self.pool.execute(
+            "DELETE FROM api_keys WHERE id = $1 AND account_id = $2", key_id, account_id
+        )
+        return _one_row(status)
+
+    @mapped
+    async def add_invite(self, code_hash: str, created_by: str, expires_at: float) -> None:
+        await self.pool.execute(
+            "INSERT INTO invites (code_hash, created_by, created_at, expires_at)"
+            f" VALUES ($1, $2, {NOW}, $3)",
+            code_hash,
+            created_by,
+            expires_at,
+        )
 
     # -- knowledge collections ------------------------------------------------------------
 

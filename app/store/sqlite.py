@@ -15,6 +15,7 @@ import secrets as random_secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import aiosqlite
 import orjson
 
 from .base import (
+    ACCOUNT_COLUMNS,
+    API_KEY_COLUMNS,
     CHAT_COLUMNS,
     COLLECTION_COLUMNS,
     FILE_COLUMNS,
@@ -35,15 +38,25 @@ from .base import (
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
     SQL_SHARES,
+    Account,
+    AccountChange,
+    ApiKey,
     Chat,
+    Checkpoint,
     CollectionRecord,
     DocumentRecord,
+    DriverErrors,
     FileRecord,
     Saved,
     Store,
     StoredChunk,
     StoredMessage,
     Usage,
+    account_change_sql,
+    account_from_row,
+    account_params,
+    api_key_from_row,
+    bad_invite,
     chat_from_row,
     collection_from_row,
     document_from_row,
@@ -54,12 +67,14 @@ from .base import (
     mapping_errors,
     message_from_row,
     message_params,
+    no_admin_left,
     not_yours,
     taken,
     unavailable,
 )
 
 OPEN_ATTEMPTS = 100
+PING_SECONDS = 3.0
 
 MIGRATIONS = (
     """
@@ -167,7 +182,54 @@ MIGRATIONS = (
     ALTER TABLE messages ADD COLUMN steps TEXT;
     ALTER TABLE messages ADD COLUMN error TEXT;
     """,
-    # 6: knowledge collections (their passages are in the collections engine)
+    # 6: which process reads an upload (its worker lease's token), so that one left
+    # `indexing` by a process that died can be told from one still being read
+    """
+    ALTER TABLE files ADD COLUMN indexer TEXT;
+    CREATE INDEX files_indexing ON files (created_at) WHERE status = 'indexing';
+    """,
+    # 7: accounts, their sessions and API keys (by the SHA-256 of the secret), invites
+    """
+    CREATE TABLE accounts (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        role TEXT NOT NULL,
+        email TEXT UNIQUE,
+        password_hash TEXT,
+        disabled INTEGER NOT NULL DEFAULT 0,
+        tokens_per_day INTEGER,
+        issuer TEXT,
+        subject TEXT,
+        created_at REAL NOT NULL,
+        UNIQUE (issuer, subject)
+    );
+    CREATE TABLE sessions (
+        token_hash TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    CREATE INDEX sessions_by_account ON sessions (account_id);
+    CREATE INDEX sessions_by_expiry ON sessions (expires_at);
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        account_id TEXT NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        prefix TEXT NOT NULL,
+        key_hash TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX api_keys_by_account ON api_keys (account_id, created_at);
+    CREATE TABLE invites (
+        code_hash TEXT PRIMARY KEY,
+        created_by TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        used_by TEXT,
+        used_at REAL
+    );
+    """,
+    # 8: knowledge collections (their passages are in the collections engine)
     """
     CREATE TABLE collections (
         id TEXT PRIMARY KEY,
@@ -203,7 +265,14 @@ MIGRATIONS = (
     """,
 )
 
-mapped = mapping_errors((sqlite3.Error, OSError))
+mapped = mapping_errors(
+    DriverErrors(
+        unavailable=(sqlite3.OperationalError, OSError, TimeoutError),
+        conflict=(sqlite3.IntegrityError,),
+        data=(sqlite3.DataError,),
+        every=(sqlite3.Error,),
+    )
+)
 
 
 def sqlite_path(url: str) -> str:
@@ -258,20 +327,31 @@ class SQLiteStore(Store):
 
     @mapped
     async def ping(self) -> None:
-        async with self.db.execute("SELECT 1") as cur:
-            await cur.fetchone()
+        """Raise unless the store can be written: a write transaction is begun and
+        rolled back (with another connection holding the file's lock for longer than
+        `PING_SECONDS`, that is a failure too)."""
+        async with asyncio.timeout(PING_SECONDS), self._transaction():
+            pass
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """One write transaction on the shared connection, under the write lock.
+
+        Cancelling is safe at any point. aiosqlite runs a statement its caller no
+        longer waits for, so a `BEGIN` cancelled while it waits for the file's lock
+        still begins a transaction later: the `ROLLBACK` is queued behind it (it
+        runs after it, in order, whatever happens to this task), and the lock is
+        released only after it ran. A transaction left open would make every later
+        write fail."""
         async with self._write_lock:
             db = self.db
-            await db.execute("BEGIN IMMEDIATE")
             try:
+                await db.execute("BEGIN IMMEDIATE")
                 yield db
+                await db.execute("COMMIT")
             except BaseException:
-                await db.execute("ROLLBACK")
+                await _rollback(db)
                 raise
-            await db.execute("COMMIT")
 
     async def _write(self, sql: str, params: tuple[Any, ...]) -> int:
         async with self._transaction() as db:
@@ -418,6 +498,15 @@ class SQLiteStore(Store):
             return changed
 
     @mapped
+    async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        async with self._transaction() as db:
+            await db.executemany(
+                "UPDATE messages SET content = ?, reasoning = ?, steps = ? WHERE id = ?"
+                " AND status = 'streaming'",
+                [(c.content, c.reasoning, _json(c.steps), c.answer_id) for c in progress],
+            )
+
+    @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         rows = await self._rows(
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = ?", (message_id,)
@@ -493,10 +582,19 @@ class SQLiteStore(Store):
     # -- uploaded files -------------------------------------------------------------------
 
     @mapped
-    async def add_file(self, record: FileRecord) -> None:
+    async def add_file(self, record: FileRecord, indexer: str = "") -> None:
         await self._write(
-            f"INSERT INTO files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            file_params(record),
+            f"INSERT INTO files ({FILE_COLUMNS}, indexer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*file_params(record), indexer or None),
+        )
+
+    @mapped
+    async def fail_orphaned_files(self, error: str, created_before: float) -> int:
+        return await self._write(
+            "UPDATE files SET status = 'failed', error = ? WHERE status = 'indexing'"
+            " AND created_at < ? AND (indexer IS NULL OR indexer NOT IN"
+            " (SELECT token FROM workers WHERE expires_at > ?))",
+            (error, created_before, time.time()),
         )
 
     @mapped
@@ -578,6 +676,161 @@ class SQLiteStore(Store):
             (user_id, since),
         )
         return [Usage(r[0], r[2], r[3], r[4], bool(r[5]), r[1]) for r in rows]
+
+    @mapped
+    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
+        rows = await self._rows(
+            "SELECT c.user_id, sum(m.prompt_tokens + m.completion_tokens)"
+            " FROM messages m JOIN chats c ON c.id = m.chat_id"
+            " WHERE m.role = 'assistant' AND m.model IS NOT NULL AND m.created_at >= ?"
+            " GROUP BY c.user_id",
+            (since,),
+        )
+        return {str(r[0]): int(r[1] or 0) for r in rows}
+
+    # -- accounts ---------------------------------------------------------------------------
+
+    @mapped
+    async def add_account(
+        self, account: Account, *, admin_if_none: bool = False, invite: str | None = None
+    ) -> Account:
+        async with self._transaction() as db:
+            rows = await db.execute_fetchall("SELECT 1 FROM accounts WHERE role = 'admin' LIMIT 1")
+            has_admin = bool(list(rows))
+            if admin_if_none and not has_admin:
+                account = replace(account, role="admin")
+            try:
+                await db.execute(
+                    f"INSERT INTO accounts ({ACCOUNT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    account_params(account),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise taken("this email or identity") from exc
+            if invite is not None and has_admin:
+                cursor = await db.execute(
+                    "UPDATE invites SET used_by = ?, used_at = ? WHERE code_hash = ?"
+                    " AND used_by IS NULL AND expires_at > ?",
+                    (account.id, account.created_at, invite, time.time()),
+                )
+                if cursor.rowcount != 1:
+                    raise bad_invite()
+            return account
+
+    @mapped
+    async def get_account(self, account_id: str) -> Account | None:
+        return await self._account("id = ?", (account_id,))
+
+    @mapped
+    async def account_by_email(self, email: str) -> Account | None:
+        return await self._account("email = ?", (email,))
+
+    @mapped
+    async def account_by_subject(self, issuer: str, subject: str) -> Account | None:
+        return await self._account("issuer = ? AND subject = ?", (issuer, subject))
+
+    async def _account(self, where: str, params: tuple[Any, ...]) -> Account | None:
+        rows = await self._rows(f"SELECT {ACCOUNT_COLUMNS} FROM accounts WHERE {where}", params)
+        return account_from_row(rows[0]) if rows else None
+
+    @mapped
+    async def list_accounts(self, limit: int = 1000) -> list[Account]:
+        rows = await self._rows(
+            f"SELECT {ACCOUNT_COLUMNS} FROM accounts ORDER BY created_at, id LIMIT ?", (limit,)
+        )
+        return [account_from_row(row) for row in rows]
+
+    @mapped
+    async def has_admin(self) -> bool:
+        return bool(await self._rows("SELECT 1 FROM accounts WHERE role = 'admin' LIMIT 1", ()))
+
+    @mapped
+    async def update_account(self, account_id: str, change: AccountChange) -> Account | None:
+        sets, params = account_change_sql(change, "?")
+        async with self._transaction() as db:
+            if sets:
+                cursor = await db.execute(
+                    f"UPDATE accounts SET {', '.join(sets)} WHERE id = ?", (*params, account_id)
+                )
+                if cursor.rowcount != 1:
+                    return None
+                rows = await db.execute_fetchall(
+                    "SELECT count(*) FROM accounts WHERE role = 'admin' AND disabled = 0"
+                )
+                if list(rows)[0][0] == 0:
+                    raise no_admin_left()
+            if change.disabled:
+                await db.execute("DELETE FROM sessions WHERE account_id = ?", (account_id,))
+            rows = await db.execute_fetchall(
+                f"SELECT {ACCOUNT_COLUMNS} FROM accounts WHERE id = ?", (account_id,)
+            )
+            found = list(rows)
+            return account_from_row(found[0]) if found else None
+
+    # -- sessions and API keys --------------------------------------------------------------
+
+    @mapped
+    async def add_session(self, token_hash: str, account_id: str, expires_at: float) -> None:
+        now = time.time()
+        async with self._transaction() as db:
+            await db.execute("DELETE FROM sessions WHERE expires_at <= ?", (now,))
+            await db.execute(
+                "INSERT INTO sessions (token_hash, account_id, created_at, expires_at)"
+                " VALUES (?, ?, ?, ?)",
+                (token_hash, account_id, now, expires_at),
+            )
+
+    @mapped
+    async def session_account(self, token_hash: str) -> Account | None:
+        columns = ", ".join(f"a.{c.strip()}" for c in ACCOUNT_COLUMNS.split(","))
+        rows = await self._rows(
+            f"SELECT {columns} FROM sessions s JOIN accounts a ON a.id = s.account_id"
+            " WHERE s.token_hash = ? AND s.expires_at > ?",
+            (token_hash, time.time()),
+        )
+        return account_from_row(rows[0]) if rows else None
+
+    @mapped
+    async def delete_session(self, token_hash: str) -> bool:
+        return await self._write("DELETE FROM sessions WHERE token_hash = ?", (token_hash,)) == 1
+
+    @mapped
+    async def add_api_key(self, key: ApiKey, key_hash: str) -> None:
+        await self._write(
+            f"INSERT INTO api_keys ({API_KEY_COLUMNS}, key_hash) VALUES (?, ?, ?, ?, ?, ?)",
+            (key.id, key.user_id, key.name, key.prefix, key.created_at, key_hash),
+        )
+
+    @mapped
+    async def api_key_account(self, key_hash: str) -> Account | None:
+        columns = ", ".join(f"a.{c.strip()}" for c in ACCOUNT_COLUMNS.split(","))
+        rows = await self._rows(
+            f"SELECT {columns} FROM api_keys k JOIN accounts a ON a.id = k.account_id"
+            " WHERE k.key_hash = ?",
+            (key_hash,),
+        )
+        return account_from_row(rows[0]) if rows else None
+
+    @mapped
+    async def list_api_keys(self, account_id: str) -> list[ApiKey]:
+        rows = await self._rows(
+            f"SELECT {API_KEY_COLUMNS} FROM api_keys WHERE account_id = ? ORDER BY created_at, id",
+            (account_id,),
+        )
+        return [api_key_from_row(row) for row in rows]
+
+    @mapped
+    async def revoke_api_key(self, account_id: str, key_id: str) -> bool:
+        count = await self._write(
+            "DELETE FROM api_keys WHERE id = ? AND account_id = ?", (key_id, account_id)
+        )
+        return count == 1
+
+    @mapped
+    async def add_invite(self, code_hash: str, created_by: str, expires_at: float) -> None:
+        await self._write(
+            "INSERT INTO invites (code_hash, created_by, created_at, expires_at) VALUES (?, ?, ?, ?)",
+            (code_hash, created_by, time.time(), expires_at),
+        )
 
     # -- knowledge collections ------------------------------------------------------------
 
@@ -669,6 +922,26 @@ class SQLiteStore(Store):
     async def delete_document(self, document_id: str) -> bool:
         count = await self._write("DELETE FROM collection_documents WHERE id = ?", (document_id,))
         return count == 1
+
+
+async def _rollback(db: aiosqlite.Connection) -> None:
+    """End whatever transaction the connection is in (none, when the BEGIN failed),
+    waiting for the ROLLBACK to have run even through further cancels — which are
+    passed on once it has: until then the connection is not the next writer's."""
+    done = asyncio.ensure_future(_run_rollback(db))
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _run_rollback(db: aiosqlite.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        await db.execute("ROLLBACK")
 
 
 async def _prepare(db: aiosqlite.Connection) -> None:

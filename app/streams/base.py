@@ -21,36 +21,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Conflict, RateLimited
-from ..protocol import Event
+from ..events import Event, Handle
 
-
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """What the registry knows of a running generation."""
-
-    chat_id: str
-    answer_id: str
-    question_id: str
-    user_id: str
-    question: str
-
-
-#: called with each numbered event a log receives (the Redis backend queues it)
+#: called with each numbered event a log receives (the Redis backend queues it, and
+#: releases it to readers once Redis has acknowledged the write that holds it)
 Sink = Callable[["GenerationLog", Event], None]
 
 
 class GenerationLog:
     """The numbered events of one generation, kept in this process.
 
-    `events[i].seq == i + 1`. Keep-alives are not stored: they bump a counter
-    that live readers turn into a keep-alive event.
+    `events[i].seq == i + 1`. Readers see `events[:durable]`: without a sink every
+    event is released as it is appended; with one, the sink's owner releases them
+    (`release`) once they are durable, so no reader is ever shown an event that a
+    crash could take back. Keep-alives are not stored: they bump a counter that
+    live readers turn into a keep-alive event.
     """
 
-    __slots__ = ("handle", "events", "keepalives", "finished", "_waiters", "_sink")
+    __slots__ = ("handle", "events", "durable", "keepalives", "finished", "_waiters", "_sink")
 
     def __init__(self, handle: Handle, sink: Sink | None = None) -> None:
         self.handle = handle
         self.events: list[Event] = []
+        self.durable = 0
         self.keepalives = 0
         self.finished = False
         self._waiters: list[asyncio.Future[None]] = []
@@ -63,18 +56,33 @@ class GenerationLog:
                 self.finished = True
             if self._sink is not None:
                 self._sink(self, event)
+                return
+            self.durable = len(self.events)
         else:
             self.keepalives += 1
         if self._waiters:
             self._wake()
 
+    def release(self, upto: int) -> None:
+        """Readers may see the events up to seq `upto`: they are durable."""
+        if upto > self.durable:
+            self.durable = min(upto, len(self.events))
+            if self._waiters:
+                self._wake()
+
     def end(self, terminal: Event) -> None:
-        """Append the terminal event for local readers only (the hub made it durable
-        already, so it does not go through the sink)."""
+        """Append the terminal event, and release every event (the hub made them
+        durable — or, with its backend away, the store holds the answer)."""
         self.events.append(terminal)
+        self.durable = len(self.events)
         self.finished = True
         if self._waiters:
             self._wake()
+
+    @property
+    def shown(self) -> list[Event]:
+        """The events readers may see (all of them, once it has ended)."""
+        return self.events[: self.durable]
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -83,8 +91,8 @@ class GenerationLog:
                 waiter.set_result(None)
 
     async def wait(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Until the next append (cancelling is safe). A bare future per reader: the
-        cheapest wake-up asyncio has."""
+        """Until the next append or release (cancelling is safe). A bare future per
+        reader: the cheapest wake-up asyncio has."""
         waiter = (loop or asyncio.get_running_loop()).create_future()
         self._waiters.append(waiter)
         try:
@@ -95,23 +103,25 @@ class GenerationLog:
             raise
 
     async def follow(self, after_seq: int) -> AsyncIterator[list[Event]]:
-        """Batches of events after `after_seq`, live, until the terminal one."""
+        """Batches of released events after `after_seq`, live, until the terminal one."""
         position = after_seq
         seen_keepalives = self.keepalives
         loop = asyncio.get_running_loop()  # once: asking for it costs a system call
+        events = self.events
         while True:
-            if position < len(self.events):
-                batch = self.events[position:]
-                position = len(self.events)
+            durable = self.durable
+            if position < durable:
+                batch = events[position:durable]
+                position = durable
                 yield batch
                 if batch[-1].terminal:
                     return
                 continue
-            if self.finished:
+            if self.finished and position >= len(events):
                 return
             if self.keepalives != seen_keepalives:
                 seen_keepalives = self.keepalives
-                last = self.events[-1] if self.events else None
+                last = events[durable - 1] if durable else None
                 h = self.handle
                 yield [
                     Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
@@ -255,6 +265,22 @@ class StreamHub(abc.ABC):
     claim_ttl: float = 0.0
     #: this process's part: the generations it runs and the logs it keeps
     local: LocalRegistry
+    #: whether events reach readers only once the hub has made them durable (then a
+    #: generation's log holds them back until the hub, or `release_saved`, lets go)
+    holds_events: bool = False
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the hub cannot make events durable now (its backend is away): the
+        store's checkpoints are then what lets them through (`release_saved`)."""
+        return False
+
+    def release_saved(self, answer_id: str, seq: int) -> None:
+        """The store holds a running generation's events up to `seq` (a checkpoint):
+        readers may see them."""
+        log = self.local.log(answer_id)
+        if log is not None:
+            log.release(seq)
 
     async def open(self) -> None:  # noqa: B027 - optional
         """Start background work (listening for cancels)."""

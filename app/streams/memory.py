@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from ..protocol import Event
-from .base import GenerationLog, Handle, LocalRegistry, StreamHub
+from ..events import Event, Handle
+from .base import GenerationLog, LocalRegistry, StreamHub
 
 
 class MemoryHub(StreamHub):

@@ -48,18 +48,18 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ..chores import Chores
 from ..errors import AppError, Unavailable
-from ..protocol import Event
+from ..events import Event, Handle
 from .base import (
     GenerationLog,
-    Handle,
     LocalRegistry,
     Running,
     StreamHub,
@@ -83,6 +83,10 @@ CHECKPOINT_SECONDS = 2.0
 #: a reader that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
 OWNERS_KEPT = 1024  # answers of other processes whose owner is remembered
+#: the longest one call to Redis may take: connecting, or a command's answer
+OPERATION_SECONDS = 2.0
+#: a cancel listener that heard nothing for this long asks Redis whether it is there
+LISTEN_PING_SECONDS = 5.0
 
 # claim a chat: 1 claimed, 0 another generation has it, -1 the registry is recovering
 # (this process's key is gone — Redis lost its data — or another process said so)
@@ -105,14 +109,28 @@ return 0
 """
 
 
-@contextlib.contextmanager
-def unavailable() -> Iterator[None]:
-    """Redis failing under an operation that needs it: `Unavailable` (503)."""
+@contextlib.asynccontextmanager
+async def unavailable(seconds: float = OPERATION_SECONDS * 2) -> AsyncIterator[None]:
+    """Redis failing under an operation that needs it — refusing, or not answering
+    within `seconds` (a few round trips) —: `Unavailable` (503)."""
     try:
-        yield
-    except (RedisError, OSError) as exc:
+        async with asyncio.timeout(seconds):
+            yield
+    except (RedisError, OSError, TimeoutError) as exc:
         log.warning("redis is unavailable: %r", exc)
         raise Unavailable("the stream registry is unavailable; try again shortly") from exc
+
+
+def blocking_client(redis: aioredis.Redis) -> aioredis.Redis:
+    """A client on a pool of its own, with the same address and options as `redis`,
+    for reads that wait on Redis (XREAD BLOCK, pub/sub); each wait is bounded by the
+    caller (see `open_redis` on why not by a socket timeout)."""
+    options = dict(redis.connection_pool.connection_kwargs)
+    options["socket_timeout"] = None
+    pool = aioredis.ConnectionPool(
+        connection_class=redis.connection_pool.connection_class, **options
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 def recovering(seconds: float) -> Unavailable:
@@ -128,6 +146,7 @@ class RedisHub(StreamHub):
     the caller's (opened and closed with the app)."""
 
     name = "redis"
+    holds_events = True
 
     def __init__(
         self,
@@ -135,16 +154,29 @@ class RedisHub(StreamHub):
         *,
         replay_ttl: float,
         handle_ttl: float,
-        flush_interval: float,
         max_generation_seconds: float,
+        commit_linger: float = 0.005,
+        flush_interval: float | None = None,
+        blocking: aioredis.Redis | None = None,
+        timeout: float = OPERATION_SECONDS,
     ) -> None:
         self.redis = redis
+        #: the longest one call to Redis may take (a few round trips: twice that)
+        self.timeout = timeout
+        #: for reads that wait on Redis (XREAD BLOCK, pub/sub): a pool of their own, so
+        #: that waiting readers never hold the connections commits need
+        self.blocking = blocking or blocking_client(redis)
+        self._owns_blocking = blocking is None
         self.local = LocalRegistry(replay_ttl)
         self.token = secrets.token_hex(8)
         self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
         self.claim_ttl = handle_ttl
-        self.flush_interval = flush_interval
+        #: how long new events wait for others to share their journal write; a flush
+        #: interval given by older callers caps it
+        self.commit_linger = (
+            commit_linger if flush_interval is None else min(commit_linger, flush_interval)
+        )
         self.max_generation_ms = int(max_generation_seconds * 1000)
         self.beat_interval = min(handle_ttl / 3, 2.0)
         #: how long owners may take to re-assert after Redis lost its data
@@ -167,10 +199,9 @@ class RedisHub(StreamHub):
         self._extended: dict[str, float] = {}  # when each claim was set or last extended
         self._owners: dict[str, str] = {}  # answers of other processes: whose they are
         self._wake = asyncio.Event()
-        self._urgent = asyncio.Event()
         self._beat_now = asyncio.Event()
         self._flush_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._chores = Chores("redis hub")
         self._recovering_until = 0.0  # registrations wait (Redis lost its data)
         self._doubt_until = 0.0  # a missing claim means "unknown" (an outage was seen)
         self._outage = False
@@ -180,27 +211,31 @@ class RedisHub(StreamHub):
     # -- lifecycle ------------------------------------------------------------------
 
     async def open(self) -> None:
-        await self.redis.set(_proc(self.token), b"1", px=self.handle_ttl_ms)
-        self._tasks = [
-            asyncio.create_task(self._flusher(), name="redis-flusher"),
-            asyncio.create_task(self._listener(), name="redis-cancel-listener"),
-            asyncio.create_task(self._heartbeat(), name="redis-heartbeat"),
-        ]
+        async with unavailable(self.timeout * 2):
+            await self.redis.set(_proc(self.token), b"1", px=self.handle_ttl_ms)
+        self._chores.loop("committer", self._committer)
+        self._chores.loop("cancel listener", self._listener)
+        self._chores.loop("heartbeat", self._heartbeat)
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self.flush()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await task
-        with contextlib.suppress(RedisError, OSError):
-            await self.redis.delete(_proc(self.token))
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self.timeout):
+                await self.flush()
+        await self._chores.aclose()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self.timeout):
+                await self.redis.delete(_proc(self.token))
+        if self._owns_blocking:
+            with contextlib.suppress(RedisError, OSError):
+                await self.blocking.aclose()
         self.local.close()
 
+    @property
+    def degraded(self) -> bool:
+        return self._outage
+
     async def ping(self) -> None:
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             await self.redis.ping()
 
     def _payload(self, handle: Handle) -> bytes:
@@ -237,7 +272,7 @@ class RedisHub(StreamHub):
             raise recovering(wait)
         payload = self._payload(handle)
         cap_key = cap_key or handle.user_id
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             claimed = await self._claim(
                 keys=[_run(handle.chat_id), _proc(self.token), RECOVERING],
                 args=[payload, self.handle_ttl_ms],
@@ -280,8 +315,9 @@ class RedisHub(StreamHub):
         self._extended.pop(handle.answer_id, None)
         self._logged.discard(handle.answer_id)
         try:
-            await self._unclaim(handle, self._payload(handle), entry.cap_key if entry else "")
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout * 2):
+                await self._unclaim(handle, self._payload(handle), entry.cap_key if entry else "")
+        except (RedisError, OSError, TimeoutError) as exc:
             log.warning("redis unavailable while abandoning %s: %r", handle.answer_id, exc)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
@@ -291,24 +327,26 @@ class RedisHub(StreamHub):
         self._extended.pop(handle.answer_id, None)
         try:
             self._pending.setdefault(handle.answer_id, []).append(terminal)
-            await self.flush(only=handle.answer_id)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
-                pipe.pexpire(_latest(handle.chat_id), self.replay_ttl_ms)
-                pipe.pexpire(_owner(handle.answer_id), self.replay_ttl_ms)
-                pipe.delete(_cancel(handle.answer_id))
-                if entry is not None:
-                    pipe.zrem(_active(entry.cap_key), handle.answer_id)
-                await self._release(
-                    keys=[_run(handle.chat_id)], args=[self._payload(handle)], client=pipe
-                )
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.timeout * 2):
+                await self.flush(only=handle.answer_id)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.pexpire(_gen(handle.answer_id), self.replay_ttl_ms)
+                    pipe.pexpire(_latest(handle.chat_id), self.replay_ttl_ms)
+                    pipe.pexpire(_owner(handle.answer_id), self.replay_ttl_ms)
+                    pipe.delete(_cancel(handle.answer_id))
+                    if entry is not None:
+                        pipe.zrem(_active(entry.cap_key), handle.answer_id)
+                    await self._release(
+                        keys=[_run(handle.chat_id)], args=[self._payload(handle)], client=pipe
+                    )
+                    await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
             # the claim expires by itself; the terminal event stays queued, and the
-            # flusher writes it when Redis is back
+            # committer writes it when Redis is back. Local readers get the end now:
+            # the answer is in the store (its generation saved it first), or kept in
+            # memory until the store takes it
             log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
             self._wake.set()
-            self._urgent.set()
         finally:
             if log_ is not None:
                 log_.end(terminal)
@@ -317,7 +355,7 @@ class RedisHub(StreamHub):
         local = self.local.lookup(chat_id)
         if local is not None:
             return local
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             raw = await self.redis.get(_run(chat_id))
         if raw is None and self._doubtful():
             raise recovering(self._doubt_until - time.monotonic())
@@ -326,14 +364,14 @@ class RedisHub(StreamHub):
     async def cancel(self, handle: Handle) -> None:
         if self.local.cancel(handle.answer_id):
             return
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(_cancel(handle.answer_id), b"1", px=max(self.handle_ttl_ms * 2, 60_000))
                 pipe.publish(CHANNEL, handle.answer_id)
                 await pipe.execute()
 
     async def latest(self, chat_id: str) -> Handle | None:
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             answer_id = await self.redis.get(_latest(chat_id))
         if answer_id:
             return await self.find(_text(answer_id))
@@ -344,7 +382,7 @@ class RedisHub(StreamHub):
         local = self.local.log(answer_id)
         if local is not None:
             return local.handle
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             raw = await self.redis.get(_gen(answer_id))
         if raw is None and self._doubtful():
             raise recovering(self._doubt_until - time.monotonic())
@@ -354,10 +392,11 @@ class RedisHub(StreamHub):
         if not answers:
             return []
         try:
-            *claims, recovering_now = await self.redis.mget(
-                [_run(chat_id) for chat_id, _ in answers] + [RECOVERING]
-            )
-        except (RedisError, OSError):
+            async with asyncio.timeout(self.timeout):
+                *claims, recovering_now = await self.redis.mget(
+                    [_run(chat_id) for chat_id, _ in answers] + [RECOVERING]
+                )
+        except (RedisError, OSError, TimeoutError):
             self._connection_lost()
             return ["unknown"] * len(answers)
         doubtful = self._doubtful() or recovering_now is not None
@@ -378,7 +417,7 @@ class RedisHub(StreamHub):
         handle = await self.find(answer_id)
         if handle is None:
             return []
-        with unavailable():
+        async with unavailable(self.timeout * 2):
             events, _ = await self._gather(handle)
         return [events[seq] for seq in sorted(events)]
 
@@ -386,36 +425,40 @@ class RedisHub(StreamHub):
         if self._doubtful():
             return False
         try:
-            if await self.redis.exists(RECOVERING):
-                return False
-            held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
-        except (RedisError, OSError):
+            async with asyncio.timeout(self.timeout * 2):
+                if await self.redis.exists(RECOVERING):
+                    return False
+                held = await self._keep(keys=[_lead(chore)], args=[self.token, int(ttl * 1000)])
+        except (RedisError, OSError, TimeoutError):
             return False
         return bool(held)
 
     # -- the event log ----------------------------------------------------------------
 
     def _queue(self, log_: GenerationLog, event: Event) -> None:
-        """A log's sink: queue a numbered event for the next flush."""
+        """A log's sink: queue a numbered event for the next commit, which releases it
+        to readers once Redis has acknowledged it."""
         answer_id = log_.handle.answer_id
         pending = self._pending.get(answer_id)
         if pending is None:
             pending = self._pending[answer_id] = []
         pending.append(event)
         self._wake.set()
-        if event.terminal or len(pending) >= FLUSH_AT:
-            self._urgent.set()
 
-    async def _flusher(self) -> None:
-        delay = 0.1
+    async def _committer(self) -> None:
+        """Group commit: the events every generation of this process wrote within
+        `commit_linger` go to Redis in one journal entry, and reach readers when Redis
+        has acknowledged it. Through an outage it retries with growing pauses; the
+        events wait, unseen (or until their generation ends, see `finish`)."""
+        delay = 0.05
         while True:
             await self._wake.wait()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.flush_interval):
-                    await self._urgent.wait()
+            if self.commit_linger > 0:
+                await asyncio.sleep(self.commit_linger)
             try:
-                await self.flush()
-            except (RedisError, OSError) as exc:
+                async with asyncio.timeout(self.timeout * 2):
+                    await self.flush()
+            except (RedisError, OSError, TimeoutError) as exc:
                 if not self._outage:
                     log.warning(
                         "redis unavailable: events of %d answers wait: %r", len(self._pending), exc
@@ -423,17 +466,20 @@ class RedisHub(StreamHub):
                 self._outage = True
                 self._connection_lost()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, 2.0)
                 if self._pending:
                     self._wake.set()  # try again: finished generations append nothing more
             else:
-                delay = 0.1
+                if self._outage:
+                    log.info("redis is back: events are written again")
+                self._outage, delay = False, 0.05
 
     async def flush(self, only: str | None = None) -> None:
         """Write pending events — of every generation, or of the answer id `only` (a
         generation that ends should not make all the others write early) — as one
-        journal entry, and bring the logs that are due up to date. Serialised, so each
-        log's entries stay in order."""
+        journal entry, bring the logs that are due up to date, and release what was
+        written to the generations' readers. Serialised, so each log's entries stay in
+        order. Raises when Redis fails (the events stay pending)."""
         async with self._flush_lock:
             now = time.monotonic()
             if only is not None:
@@ -441,7 +487,6 @@ class RedisHub(StreamHub):
                 due = {only} if only in pending or only in self._unlogged else set()
             else:
                 self._wake.clear()
-                self._urgent.clear()
                 pending, self._pending = self._pending, {}
                 due = {
                     answer_id
@@ -485,6 +530,10 @@ class RedisHub(StreamHub):
                     for answer_id, batch in pending.items():  # back, in front of newer ones
                         self._pending.setdefault(answer_id, [])[:0] = batch
                     raise
+            for answer_id, batch in pending.items():  # durable: readers may have them
+                written = self.local.log(answer_id)
+                if written is not None:
+                    written.release(batch[-1].seq)
             for answer_id in due:
                 batch = pending.get(answer_id) or self._unlogged[answer_id]
                 self._unlogged.pop(answer_id, None)
@@ -531,6 +580,8 @@ class RedisHub(StreamHub):
                     pipe.pexpire(_log(h.answer_id), keep)
                     written[h.answer_id] = events[-1].seq if events else 0
                 await pipe.execute()
+            for log_ in logs:  # durable again, whatever was pending
+                log_.release(written[log_.handle.answer_id])
             for answer_id, last in written.items():  # what was pending is written now
                 pending = [e for e in self._pending.pop(answer_id, []) if e.seq > last]
                 if pending:
@@ -552,7 +603,8 @@ class RedisHub(StreamHub):
         hold, then the journal as it grows. Through an outage it reconnects and goes
         on from the last event it had; it ends with an `error` event when the
         generation is lost, or Redis stays away past `settle` + the claim's TTL."""
-        owner = await self._owner_of(handle.answer_id)
+        async with unavailable(self.timeout * 2):
+            owner = await self._owner_of(handle.answer_id)
         if owner:
             key, field = _journal(owner), handle.answer_id.encode()
         else:  # written by a version without journals: the log alone, as it is written
@@ -568,21 +620,24 @@ class RedisHub(StreamHub):
             try:
                 if catch_up:
                     catch_up = False
-                    found, last_id = await self._gather(handle)
+                    async with asyncio.timeout(self.timeout * 2):
+                        found, last_id = await self._gather(handle)
                     batch = _after(found, seq)
                     if batch:
                         seq, heard = batch[-1].seq, time.monotonic()
                         yield batch
                         if batch[-1].terminal:
                             return
-                entries = _entries(await self.redis.xread({key: last_id}, block=BLOCK_MS))
+                async with asyncio.timeout(BLOCK_MS / 1000 + self.timeout):
+                    entries = _entries(await self.blocking.xread({key: last_id}, block=BLOCK_MS))
                 if not entries or time.monotonic() - heard > BLOCK_MS / 1000:
                     # nothing for this answer for a while: does it still run, and has
                     # its log what the journal lacks (re-asserted after Redis lost it)?
                     heard = time.monotonic()
                     (state,) = await self.states([(handle.chat_id, handle.answer_id)])
                     if state == "gone":  # one last look: the end may have landed just now
-                        batch = _after((await self._gather(handle))[0], seq)
+                        async with asyncio.timeout(self.timeout * 2):
+                            batch = _after((await self._gather(handle))[0], seq)
                         if batch:
                             seq = batch[-1].seq
                             yield batch
@@ -597,7 +652,7 @@ class RedisHub(StreamHub):
                     if not entries:
                         continue
                 failing_since, delay = None, 0.1
-            except (RedisError, OSError, AppError) as exc:
+            except (RedisError, OSError, AppError, TimeoutError) as exc:
                 self._connection_lost()
                 now = time.monotonic()
                 if failing_since is None:
@@ -668,20 +723,37 @@ class RedisHub(StreamHub):
     # -- background: cancels and heartbeats ------------------------------------------------
 
     async def _listener(self) -> None:
+        """Cancels published for this process's generations, on a connection of its
+        own. A connection that answers nothing for `LISTEN_PING_SECONDS` (Redis hung,
+        or moved to another address) is dropped and made again."""
         delay, failing = 0.1, False
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.blocking.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(CHANNEL)
+                async with asyncio.timeout(self.timeout):
+                    await pubsub.subscribe(CHANNEL)
                 if failing:
                     log.info("cancel listener: redis is back")
                     failing = False
                     self._beat_now.set()  # re-assert what we hold at once
                 delay = 0.1
-                async for message in pubsub.listen():
-                    if message and message.get("type") == "message":
-                        self.local.cancel(_text(message["data"]))
-            except (RedisError, OSError) as exc:
+                heard = time.monotonic()
+                pinged = False
+                while True:
+                    message = await pubsub.get_message(timeout=LISTEN_PING_SECONDS / 2)
+                    now = time.monotonic()
+                    if message is not None:
+                        heard, pinged = now, False
+                        if message.get("type") == "message":
+                            self.local.cancel(_text(message["data"]))
+                        continue
+                    if now - heard < LISTEN_PING_SECONDS / 2:
+                        continue
+                    if pinged:  # asked, and nothing came back
+                        raise TimeoutError("the cancel channel stopped answering")
+                    await pubsub.ping()
+                    pinged = True
+            except (RedisError, OSError, TimeoutError) as exc:
                 if not failing:
                     log.warning("cancel listener lost redis: %r", exc)
                     failing = True
@@ -689,8 +761,9 @@ class RedisHub(StreamHub):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _heartbeat(self) -> None:
         while True:
@@ -699,8 +772,9 @@ class RedisHub(StreamHub):
                     await self._beat_now.wait()
             self._beat_now.clear()
             try:
-                await self.beat()
-            except (RedisError, OSError) as exc:
+                async with asyncio.timeout(self.timeout * 2):
+                    await self.beat()
+            except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("heartbeat: redis unavailable: %r", exc)
                 self._connection_lost()
 

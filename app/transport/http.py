@@ -14,13 +14,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Auth
-from ..errors import AppError, BadRequest
-from ..protocol import ChatRequest, error_body, loads, parse_id
+from ..errors import AppError, BadRequest, Unauthorized
+from ..identity import User
+from ..identity.resolver import SAFE_METHODS, Identity
+from ..protocol import ChatRequest, error_body, is_number, loads, parse_id
 
 log = logging.getLogger("app.http")
 
 #: the user of a request without auth and without a `userId`
 ANONYMOUS = "0"
+#: where the request's authenticated `User` is kept in the ASGI scope (and its id under
+#: "user_id")
+USER = "searchchat.user"
 #: how much of an over-large body is read and dropped before the 413
 DRAIN_BYTES = 64 * 1024 * 1024
 DRAIN_SECONDS = 10.0
@@ -85,7 +90,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     client still sends makes the kernel reset the connection, and many clients
     then report a broken connection instead of the 413."""
     declared = request.headers.get("content-length")
-    too_large = declared is not None and declared.isdigit() and int(declared) > max_bytes
+    too_large = declared is not None and is_number(declared) and int(declared) > max_bytes
     chunks, size = [], 0
     try:
         async with asyncio.timeout(DRAIN_SECONDS if too_large else None):
@@ -107,6 +112,18 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not size:
         raise BadRequest("body is empty: send the request as JSON")
     return loads(b"".join(chunks))
+
+
+def current_user(request: HTTPConnection) -> User | None:
+    """The request's authenticated user (None with auth off)."""
+    user: User | None = request.scope.get(USER)
+    return user
+
+
+def set_user(scope: Scope, user: User | None) -> None:
+    if user is not None:
+        scope[USER] = user
+        scope["user_id"] = user.id
 
 
 def client_identity(request: HTTPConnection, claimed: Any) -> str:
@@ -138,25 +155,40 @@ def rate_key(request: HTTPConnection) -> str:
 
 
 async def count_request(request: HTTPConnection) -> None:
-    """One request that starts model work; RateLimited past `limits.requests_per_minute`."""
+    """One request that starts model work: `RateLimited` past `limits.requests_per_minute`,
+    or once an authenticated user's answers used their daily token quota (before any
+    model is asked)."""
+    await request.app.state.limiter.hit(rate_key(request))
+    user = current_user(request)
+    if user is not None:
+        await request.app.state.quota.check(user)
+
+
+async def count_resume(request: HTTPConnection) -> None:
+    """One resume: counted by the same limit as the requests that start model work
+    (each resume is one more relay of every event of an answer)."""
     await request.app.state.limiter.hit(rate_key(request))
 
 
 class AuthMiddleware:
-    """With auth on, `/api/*`, `/v1/*` and `/sources/*` need a valid key (401
-    otherwise); the key's user is put in the scope as `user_id`. A signed sources
-    link (`/sources/{id}?sig=…`) is its own capability and needs none. WebSockets
+    """With auth on, `/api/*`, `/v1/*` and `/sources/*` need a valid credential (401
+    otherwise): the request's `User` is put in the scope (`USER`, and its id as
+    `user_id`). A signed sources link (`/sources/{id}?sig=…`) is its own capability and
+    needs none. With accounts, `/api/auth/*` (sign-up, sign-in, `me`, OIDC) answers
+    without a user too, and a write signed in by the session cookie — or any write to
+    `/api/auth/*` — must come from the server's own origin (403 otherwise). WebSockets
     authenticate in their endpoint, where a refusal can be an error frame."""
 
     PROTECTED = ("/api/", "/v1/", "/sources/")
+    SIGN_IN = "/api/auth/"
 
-    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+    def __init__(self, app: ASGIApp, mode: str) -> None:
         self.app = app
-        self.auth = auth
+        self.mode = mode
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            self.auth.enabled
+            self.mode != "off"
             and scope["type"] == "http"
             and scope["method"] != "OPTIONS"
             and scope["path"].startswith(self.PROTECTED)
@@ -166,11 +198,20 @@ class AuthMiddleware:
             if sources and request.query_params.get("sig"):
                 await self.app(scope, receive, send)
                 return
-            token = request.query_params.get("token") if sources else None
+            identity: Identity = scope["app"].state.identity
+            signing_in = self.mode == "accounts" and scope["path"].startswith(self.SIGN_IN)
             try:
-                scope["user_id"] = self.auth.authenticate(
-                    request.headers.get("authorization"), token
-                )
+                try:
+                    user = await identity.authenticate(request, token_param=sources)
+                except Unauthorized:
+                    if not signing_in:
+                        raise
+                    user = None  # signing in, or asking how to
+                set_user(scope, user)
+                if scope["method"] not in SAFE_METHODS and (
+                    signing_in or (user is not None and user.by_cookie)
+                ):
+                    identity.check_origin(request)
             except AppError as exc:
                 # each API answers in its own shape: OpenAI's under /v1/
                 render = openai_error if scope["path"].startswith("/v1/") else error_response

@@ -29,17 +29,15 @@ from ..chat.modes import MODES
 from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, NotFound
+from ..events import FOCUS_MODES, Event, Handle
 from ..protocol import (
-    FOCUS_MODES,
     OPTIMIZATION_MODES,
     ChatRequest,
     Encoder,
-    Event,
     Events,
     parse_collections,
     parse_id,
 )
-from ..streams import Handle
 from .http import ERROR_TYPES, client_identity, count_request, openai_error, rate_key, read_json
 from .streaming import StreamResponse
 
@@ -110,9 +108,14 @@ async def _chat_completions(request: Request) -> Response:
 
 
 def _user(request: Request, claimed: str | None) -> str:
+    """Whom a completion is for. OpenAI's `user` is a free end-user label its clients
+    are encouraged to send: with auth on the key decides (the label is not a claim),
+    with auth off a label that is an id names the user, as `userId` does."""
+    if request.scope.get("user_id") is not None:
+        return client_identity(request, None)
     try:
         return client_identity(request, claimed)
-    except BadRequest:  # OpenAI's `user` is free text; with auth off it is just a label
+    except BadRequest:
         return client_identity(request, None)
 
 

@@ -14,18 +14,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..chat.history import rewrite
 from ..chat.service import ChatService
 from ..config import Settings
+from ..demo import is_demo
 from ..errors import BadRequest, Forbidden
-from ..protocol import (
-    Encoder,
-    Event,
-    Events,
-    parse_chat_request,
-    parse_messages,
-)
-from ..streams import Handle
-from .http import count_request, json_errors, read_json, request_user
+from ..events import Event, Handle
+from ..protocol import Encoder, Events, parse_chat_request, parse_messages
+from .http import count_request, current_user, json_errors, read_json, request_user
 from .streaming import StreamResponse
 
 #: what the settings page may change: preferences the browser keeps for itself
@@ -65,6 +61,8 @@ def provider_name(base_url: str) -> str:
 def chat_models(settings: Settings) -> tuple[str, dict[str, str]]:
     """The chat models clients may pick, by name → display name, and their provider."""
     llm = settings.llm
+    if is_demo(llm.base_url):
+        return "demo", {llm.model: "Demo model (made-up answers)"}
     models = {llm.model: llm.model}
     if llm.effective_small_model != llm.model:
         models[llm.effective_small_model] = f"{llm.effective_small_model} (small)"
@@ -121,6 +119,9 @@ async def save_config(request: Request) -> Response:
     `config.toml`'s); a body that changes only what the browser keeps for itself
     (automatic image search, the model picked) is accepted and nothing is written."""
     settings: Settings = request.app.state.settings
+    user = current_user(request)
+    if request.app.state.identity.mode == "accounts" and (user is None or not user.is_admin):
+        raise Forbidden("only an admin may change the configuration")
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")
@@ -179,7 +180,8 @@ async def _media_query(request: Request) -> str:
     )
     await count_request(request)
     if history:
-        rewritten: str | None = await _service(request).rewrite(query, history)
+        service = _service(request)
+        rewritten = await rewrite(service.llm, service.prompts, query, history)
         return rewritten or query
     return query
 

@@ -14,17 +14,16 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..protocol import (
-    FORMATS,
-    Encoder,
-    Event,
-    parse_chat_request,
-    parse_id,
-    render,
-    render_start,
+from ..events import Event, Handle
+from ..protocol import FORMATS, Encoder, parse_chat_request, parse_id, render, render_start
+from .http import (
+    client_identity,
+    count_request,
+    count_resume,
+    json_errors,
+    read_json,
+    request_user,
 )
-from ..streams import Handle
-from .http import client_identity, count_request, json_errors, read_json, request_user
 from .streaming import StreamResponse
 
 PING = b": ping\n\n"
@@ -32,16 +31,20 @@ PING = b": ping\n\n"
 
 class SseEncoder(Encoder[bytes]):
     """Events as SSE bytes, one chunk per batch; an upstream keep-alive becomes a
-    ping comment."""
+    ping comment. Every stream opens with `retry:` (how long a browser's EventSource
+    waits before it reconnects)."""
 
     name = "sse"
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, retry_ms: int = 2000) -> None:
         self.format = fmt
+        self.retry = b"retry: %d\n\n" % retry_ms
 
     def preamble(self, handle: Handle) -> bytes | None:
         start = render_start(handle, self.format)
-        return None if start is None else b"data: %s\n\n" % orjson.dumps(start)
+        if start is None:
+            return self.retry
+        return self.retry + b"data: %s\n\n" % orjson.dumps(start)
 
     def encode(self, events: Sequence[Event]) -> bytes | None:
         if len(events) == 1:  # at a model's pace, the usual batch
@@ -62,7 +65,7 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
     stops reading is let go; the generation goes on, resumable."""
     state = request.app.state
     return StreamResponse(
-        state.service.relay(handle, SseEncoder(fmt), after_seq),
+        state.service.relay(handle, SseEncoder(fmt, state.settings.stream.retry_ms), after_seq),
         connections=state.metrics.connections_active.labels("sse"),
         group=state.streams,
         media_type="text/event-stream; charset=utf-8",
@@ -99,7 +102,12 @@ async def resume(request: Request) -> Response:
     fmt = params.get("format") or "default"
     if fmt not in FORMATS:
         fmt = "default"
-    handle, seq = await request.app.state.service.find_resumable(
+    await count_resume(request)
+    service = request.app.state.service
+    handle, seq = await service.find_resumable(
         parse_id(chat_id, "chatId") if chat_id else None, user_id, last
     )
+    if seq and await service.ended_by(handle, seq):
+        # nothing more will come: 204 tells a browser's EventSource not to reconnect
+        return Response(status_code=204, headers={"cache-control": "no-cache"})
     return stream_response(request, handle, fmt, seq)

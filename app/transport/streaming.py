@@ -28,10 +28,14 @@ from typing import Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..chores import cancel_and_wait
+
 log = logging.getLogger("app.stream")
 
 #: where the app keeps the server's `send` in the scope
 SERVER_SEND = "app.server_send"
+#: how long a response waits for its writer and chunks to stop once it ends
+STOP_SECONDS = 3.0
 
 
 class Gauge(Protocol):
@@ -106,13 +110,10 @@ class StreamResponse(Response):
         try:
             await asyncio.wait([writer, *watchers], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (writer, *watchers):
-                task.cancel()
-            for task in (writer, *watchers):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await task
-            with contextlib.suppress(AttributeError):
-                await self.chunks.aclose()  # type: ignore[attr-defined]
+            await cancel_and_wait([writer, *watchers], timeout=STOP_SECONDS)
+            with contextlib.suppress(AttributeError, RuntimeError, TimeoutError):
+                async with asyncio.timeout(STOP_SECONDS):
+                    await self.chunks.aclose()  # type: ignore[attr-defined]
         if self._ended or (not writer.cancelled() and writer.exception() is None):
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

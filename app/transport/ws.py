@@ -19,10 +19,11 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ..chores import cancel_and_wait
 from ..errors import AppError, BadRequest, RateLimited
+from ..events import Event, Handle
 from ..protocol import (
     Encoder,
-    Event,
     error_body,
     loads,
     parse_chat_request,
@@ -31,8 +32,7 @@ from ..protocol import (
     render,
     render_start,
 )
-from ..streams import Handle
-from .http import client_identity, count_request, request_user
+from .http import client_identity, count_request, count_resume, request_user, set_user
 from .perplexica import picked_model
 from .streaming import SERVER_SEND
 
@@ -125,7 +125,9 @@ class SocketWriter:
 
 
 class Session:
-    """One WebSocket connection: its writer and the relays it runs (one per chat)."""
+    """One WebSocket connection: its writer and the relays it runs — one per answer
+    followed: a second resume of an answer replaces its relay, so one socket can never
+    multiply the work per token."""
 
     def __init__(self, websocket: WebSocket) -> None:
         app = websocket.app
@@ -134,15 +136,25 @@ class Session:
         self.settings = app.state.settings
         self.metrics = app.state.metrics
         self.writer = SocketWriter(websocket, self.settings.stream.client_timeout_seconds)
-        self.relays: set[asyncio.Task[None]] = set()
+        self.relays: dict[str, asyncio.Task[None]] = {}  # answer id → its relay
         self._rate = self.settings.limits.ws_messages_per_second
         self._allowance = self._rate
         self._checked = time.monotonic()
 
-    def follow(self, handle: Handle, fmt: str, after_seq: int = 0) -> None:
+    async def follow(self, handle: Handle, fmt: str, after_seq: int = 0) -> None:
+        """Relay an answer's events after `after_seq` to this socket (in place of any
+        relay of the same answer it had)."""
+        answer_id = handle.answer_id
+        previous = self.relays.pop(answer_id, None)
+        if previous is not None:
+            await cancel_and_wait([previous], timeout=5.0)
         task = asyncio.create_task(self._relay(handle, WsEncoder(fmt), after_seq))
-        self.relays.add(task)
-        task.add_done_callback(self.relays.discard)
+        self.relays[answer_id] = task
+        task.add_done_callback(lambda done: self._relay_ended(answer_id, done))
+
+    def _relay_ended(self, answer_id: str, task: asyncio.Task[None]) -> None:
+        if self.relays.get(answer_id) is task:
+            del self.relays[answer_id]
 
     async def _relay(self, handle: Handle, encoder: WsEncoder, after_seq: int) -> None:
         try:
@@ -156,7 +168,7 @@ class Session:
         try:
             await self._serve()
         finally:
-            watch.cancel()
+            await cancel_and_wait([watch])
 
     async def _serve(self) -> None:
         await self.writer.send_json({"type": "signal", "data": "open"})
@@ -208,10 +220,30 @@ class Session:
             raise BadRequest(f"frame is larger than {limit} bytes")
         return loads(text)
 
+    async def still_signed_in(self) -> None:
+        """With accounts, a socket's credential is checked again for every frame that
+        acts (message, cancel, resume): a signed-out session, a revoked key, a disabled
+        account or an expired JWT ends the socket (an error frame, then 4401) on its
+        next frame, as it would end the next HTTP request."""
+        identity = self.websocket.app.state.identity
+        if identity.mode != "accounts":
+            return
+        try:
+            user = await identity.authenticate(self.websocket, token_param=True)
+        except AppError as exc:
+            if exc.status != 401:
+                raise
+            await self.writer.send_json(error_body(exc))
+            await self.websocket.close(4401)
+            raise WebSocketDisconnect(4401) from exc
+        set_user(self.websocket.scope, user)
+
     async def handle(self, body: Any) -> None:
         """One frame from the client; raises `AppError` for an error frame."""
         kind = body.get("type", "message") if isinstance(body, dict) else None
         service, websocket = self.service, self.websocket
+        if kind in ("message", "cancel", "resume"):
+            await self.still_signed_in()
         if kind == "message":
             request = parse_chat_request(
                 body,
@@ -227,7 +259,7 @@ class Session:
                 request = replace(request, model=model)
             await count_request(websocket)
             handle = await service.start(request)
-            self.follow(handle, request.format)
+            await self.follow(handle, request.format)
         elif kind == "cancel":
             control = parse_control(body)
             if control.chat_id is None:
@@ -244,10 +276,11 @@ class Session:
             await self.writer.send_json(frame)
         elif kind == "resume":
             control = parse_control(body)
+            await count_resume(websocket)
             handle, seq = await service.find_resumable(
                 control.chat_id, client_identity(websocket, control.user_id), control.last_event_id
             )
-            self.follow(handle, control.format, seq)
+            await self.follow(handle, control.format, seq)
         elif kind == "ping":
             await self.writer.send_json({"type": "pong"})
         else:
@@ -256,23 +289,23 @@ class Session:
     async def close(self, code: int, wait: float) -> None:
         """Let the relays deliver what they have (up to `wait` seconds), then close."""
         if self.relays:
-            await asyncio.wait(list(self.relays), timeout=wait)
-        for task in list(self.relays):
-            task.cancel()
+            await asyncio.wait(list(self.relays.values()), timeout=wait)
+        await cancel_and_wait(list(self.relays.values()))
         with contextlib.suppress(RuntimeError, OSError, WebSocketDisconnect):
             await self.websocket.close(code)
 
 
 async def endpoint(websocket: WebSocket) -> None:
     await websocket.accept()
-    auth = websocket.app.state.auth
+    identity = websocket.app.state.identity
     try:
-        websocket.scope["user_id"] = auth.authenticate(
-            websocket.headers.get("authorization"), websocket.query_params.get("token")
-        )
+        user = await identity.authenticate(websocket, token_param=True)
+        if user is not None and user.by_cookie:  # a socket opened by another site's page
+            identity.check_origin(websocket)
+        set_user(websocket.scope, user)
     except AppError as exc:
         await websocket.send_text(orjson.dumps(error_body(exc)).decode())
-        await websocket.close(4401)
+        await websocket.close({401: 4401, 403: 4403}.get(exc.status, 1013))
         return
     session = Session(websocket)
     sessions: set[Session] = websocket.app.state.sessions
@@ -286,8 +319,7 @@ async def endpoint(websocket: WebSocket) -> None:
     finally:
         connections.dec()
         sessions.discard(session)
-        for task in session.relays:
-            task.cancel()
+        await cancel_and_wait(list(session.relays.values()))
 
 
 def _chat_id_of(body: dict[str, Any]) -> str | None:

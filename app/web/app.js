@@ -18,6 +18,7 @@ import {
   withUserBody,
 } from "./net.js";
 import { button, fileChip, searchFix, site, TurnView } from "./turn.js";
+import { nextAfterSignIn, showAccount, showKeys, showSignIn, signInAgain, whoAmI } from "./account.js";
 
 const $ = (selector) => document.querySelector(selector);
 const store = window.localStorage;
@@ -49,6 +50,7 @@ const state = {
   turn: null, // the answer being received (see startLive)
   follow: true, // auto-scroll: follows the answer until the reader scrolls up
   attachments: [], // files picked for the next question: {name, status, fileId, chip}
+  notice: null, // a message for the banner once the page is up (a refused sign-in)
 };
 
 const socket = new Socket(onFrame, onSocketClose);
@@ -722,8 +724,9 @@ function openSettings() {
   $("#set-media").checked = settings.media;
   $("#set-theme").value = settings.theme;
   $("#set-transport").value = settings.transport;
-  $("#set-key-row").hidden = !auth.required;
+  $("#set-key-row").hidden = !auth.required || auth.accounts;
   $("#set-key-state").textContent = auth.key ? "set" : "not set";
+  if (auth.accounts) showKeys();
   $("#settings").showModal();
 }
 
@@ -825,17 +828,51 @@ async function loadConfig() {
   banner(null);
   auth.required = Boolean(state.config.authRequired);
   site.searchProvider = state.config.searchProvider || "";
-  const problem = state.config.searchProblem;
+  $("#demo-notice").hidden = !state.config.demo;
+  const problem = state.config.demo ? null : state.config.searchProblem;
   $("#search-off").hidden = !problem;
   $("#search-off").textContent = problem
-    ? `Web search is not set up on this server, so answers will have no web sources (${problem}). ${searchFix(problem)}`
+    ? `Web search will not work on this server: ${problem}. Answers will have no web sources. ${searchFix(problem)}`
     : "";
   fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
   return true;
 }
 
+/** With accounts: signed in (the sign-in page until then), named in the sidebar. */
+async function signedIn() {
+  let who;
+  try {
+    who = await whoAmI();
+  } catch (error) {
+    banner(explain(error.key, error.detail).text, { label: "Try again", run: () => start() });
+    return false;
+  }
+  if (who.mode !== "accounts") {
+    if (window.location.pathname === "/signin") history.replaceState(null, "", "/");
+    return true;
+  }
+  auth.accounts = true;
+  auth.required = true; // the session decides the user: the page names none
+  auth.askForKey = signInAgain;
+  const user = who.user || (await showSignIn(who));
+  showAccount(user);
+  const refused = /^#signin-error=(.*)$/.exec(window.location.hash);
+  if (refused) {
+    history.replaceState(null, "", "/");
+    state.notice = decodeURIComponent(refused[1]); // shown once the page is up
+  }
+  if (window.location.pathname === "/signin") {
+    window.location.assign(nextAfterSignIn()); // whatever serves that path (this page, or another UI)
+    return false;
+  }
+  return true;
+}
+
 async function start() {
+  if (!(await signedIn())) return;
   if (!(await loadConfig())) return;
+  if (state.notice) banner(state.notice);
+  state.notice = null;
   applyDefaults();
   await refreshChats();
   route();

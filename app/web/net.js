@@ -5,6 +5,8 @@ const store = window.localStorage;
 
 export const auth = {
   key: store.getItem("apiKey") || "",
+  // with accounts the session cookie says who this is; a refusal shows the sign-in page
+  accounts: false,
   // with auth on the key decides the user: the page must not name one (PROTOCOL §7)
   required: Boolean(store.getItem("apiKey")),
   userId: store.getItem("userId") || randomId(),
@@ -205,10 +207,15 @@ export function explain(key, detail = "", retryAfter = 0) {
     case "LOST":
       return { text: "The server stopped while writing this answer, so it is incomplete." };
     case "UNAUTHORIZED":
+      if (auth.accounts) return { text: "You are signed out. Sign in again to go on.", action: "key" };
       return { text: "This server needs a valid API key.", action: "key" };
     case "FORBIDDEN":
+      if (auth.accounts) return { text: "You are not allowed to do this (the chat may belong to someone else)." };
       return { text: "Your API key is not allowed to do this (the chat may belong to someone else)." };
     case "RATE_LIMITED":
+      if (/daily token quota/i.test(detail)) {
+        return { text: "You have used today's share of answers on this server. It renews at midnight UTC." };
+      }
       return { text: `Too many questions in a short time. Try again${wait}.` };
     case "BUSY":
       return { text: "This chat is still answering another question. Wait for it to finish, then try again." };
@@ -217,13 +224,16 @@ export function explain(key, detail = "", retryAfter = 0) {
     case "CONFIG_ERROR":
       return { text: "The server has no AI model set up (LLM_API_KEY). Whoever runs it needs to configure one." };
     case "CHAT_ERROR":
+      if (/refused the connection|does not resolve|secure connection/i.test(detail)) {
+        return { text: "The server cannot reach its AI model: it is not set up right (its address). Whoever runs the server needs to check LLM_BASE_URL." };
+      }
       return { text: "The AI model could not be reached. Try again in a moment." };
     case "STREAM_ERROR":
       if (/generation lost/i.test(detail)) return explain("LOST");
       if (/did not finish within|timed out|no token/i.test(detail)) return { text: "The AI model took too long to answer. Try again." };
-      if (/answered (401|403)/.test(detail)) return { text: "The AI model refused the server's key. Whoever runs the server needs to check LLM_API_KEY." };
-      if (/answered 429/.test(detail)) return { text: "The AI model is rate-limiting this server. Try again in a minute." };
-      if (/answered \d{3}/.test(detail)) return { text: "The AI model returned an error instead of an answer. Try again in a moment." };
+      if (/(answered |\()(401|403)\b|API key/.test(detail)) return { text: "The AI model refused the server's key. Whoever runs the server needs to check LLM_API_KEY." };
+      if (/(answered |\()429\b|rate limiting/.test(detail)) return { text: "The AI model is rate-limiting this server. Try again in a minute." };
+      if (/(answered |\()\d{3}\b/.test(detail)) return { text: "The AI model returned an error instead of an answer. Try again in a moment." };
       if (/empty answer/.test(detail)) return { text: "The AI model sent an empty answer. Try again." };
       return { text: "The AI model stopped answering partway through. Try again." };
     case "SEARCH_ERROR":

@@ -1,7 +1,7 @@
 // One question and its answer on the page: steps, sources, reasoning, the answer as
 // sanitised Markdown with [N] citations, its status, actions, media and follow-ups.
 
-import { explain } from "./net.js";
+import { auth, explain } from "./net.js";
 
 /** What the page knows of the server (from /api/config). */
 export const site = { searchProvider: "" };
@@ -122,7 +122,7 @@ export class TurnView {
     const box = this.part("steps");
     box.hidden = false;
     box.querySelector("summary").textContent = text;
-    const failed = /web search failed \((.*)\)$/.exec(text);
+    const failed = /^(?:.*: )?web search failed \((.*)\)$/.exec(text);
     if (failed) this.searchProblem(failed[1]);
     else if (text === "answering without sources" && !this.part("notice").textContent) {
       this.notice("Answered without web sources.");
@@ -139,7 +139,11 @@ export class TurnView {
         "search-off",
       );
     } else {
-      this.notice(`Web search failed (${reason}), so this answer has no web sources. Try again later.`);
+      this.notice(
+        `Web search failed: ${reason}. This answer has no web sources. ` +
+          "To get them, set a search key (TAVILY_API_KEY), point the server at a SearxNG " +
+          "instance (SEARXNG_URL), or untick “Search the web” to ask the model alone.",
+      );
     }
   }
 
@@ -253,7 +257,7 @@ export class TurnView {
     line.className = "status failed";
     line.textContent = text;
     if (action === "key") {
-      const enter = button("enter-key", "Enter API key", null);
+      const enter = button("enter-key", auth.accounts ? "Sign in" : "Enter API key", null);
       enter.addEventListener("click", () => this.hooks.enterKey(this));
       line.append(" ", enter);
     }
@@ -431,7 +435,8 @@ export function searchFix(said) {
   if (/tavily/i.test(reason)) return "To fix it, set TAVILY_API_KEY (or tavily.api_key in config.toml) and restart the server.";
   if (/searxng/i.test(reason)) return "To fix it, set SEARXNG_URL to a SearxNG instance with JSON output on, and restart the server.";
   if (/google/i.test(reason)) return "To fix it, set GOOGLE_API_KEY and GOOGLE_CSE_ID, and restart the server.";
-  if (/ddgs|keyless/i.test(reason)) return "To fix it, install the keyless search (.venv/bin/pip install ddgs) or set TAVILY_API_KEY, and restart the server.";
+  if (/not installed/i.test(reason)) return "To fix it, install the keyless search (.venv/bin/pip install ddgs) or set TAVILY_API_KEY, and restart the server.";
+  if (/ddgs|keyless|duckduckgo|offline/i.test(reason)) return "To get sources, set a search key (TAVILY_API_KEY), point the server at a SearxNG instance (SEARXNG_URL), or untick “Search the web” to ask the model alone.";
   return "To fix it, configure a search provider ([search] in config.toml) and restart the server.";
 }
 

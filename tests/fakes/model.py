@@ -17,6 +17,7 @@ message, so one test can pick it per request:
     #size=K        each content token is K characters long
     #think         content tokens carry "<think>…</think>" cut across chunks
     #nousage       no `usage` chunk, even when `stream_options.include_usage` asks
+    #nul           each content token carries a NUL character ("tok0\u0000 ")
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
@@ -103,9 +104,15 @@ class FakeModel:
     def _authorised(self, request: Request) -> bool:
         return request.headers.get("authorization") == f"Bearer {self.api_key}"
 
+    def _refused(self, request: Request) -> Response:
+        """401 as OpenAI answers it: the key it refused, partly starred out."""
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        shown = f"{key[:7]}{'*' * max(len(key) - 11, 3)}{key[-4:]}" if key else "(none)"
+        return _error(401, f"Incorrect API key provided: {shown}. You can find your key online.")
+
     async def completions(self, request: Request) -> Response:
         if not self._authorised(request):
-            return _error(401, "invalid api key")
+            return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
         prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
@@ -167,6 +174,8 @@ class FakeModel:
                 pieces = think_pieces()
             elif size:
                 pieces = [f"tok{i} ".ljust(size, "x") for i in range(tokens)]
+            elif "nul" in script:
+                pieces = [f"tok{i}\u0000 " for i in range(tokens)]
             else:
                 pieces = [f"tok{i} " for i in range(tokens)]
             for i, piece in enumerate(pieces):
@@ -203,7 +212,7 @@ class FakeModel:
 
     async def embeddings(self, request: Request) -> Response:
         if not self._authorised(request):
-            return _error(401, "invalid api key")
+            return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]

@@ -245,6 +245,8 @@ class FakeSearch:
         if n < 0 or n in self.broken_pages:
             return PlainTextResponse("cannot read", status_code=422)
         await asyncio.sleep(self.page_delay.get(n, 0))
+        if await request.is_disconnected():  # a read given up on (a later test may be running)
+            return PlainTextResponse("gone", status_code=499)
         self.pages_read.append(("jina", n))
         return PlainTextResponse(f"Title: Result {n}\n\nMarkdown Content:\n{fulltext(n)}")
 
@@ -253,6 +255,8 @@ class FakeSearch:
         if n in self.broken_pages:
             return HTMLResponse("gone", status_code=500)
         await asyncio.sleep(self.page_delay.get(n, 0))
+        if await request.is_disconnected():
+            return HTMLResponse("gone", status_code=499)
         self.pages_read.append(("page", n))
         return HTMLResponse(
             f"<html><head><title>Result {n}</title><script>var tracking = 1;</script></head><body>"

@@ -1,0 +1,70 @@
+"""A chat's conversation: its stored turns, the standalone form of a follow-up
+question, and its title — what the service and its generations both need."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ..errors import AppError
+from ..llm import ChatModel
+from ..prompts import Prompts, answer_lines
+from ..store import Store
+
+log = logging.getLogger("app.chat")
+
+HISTORY_MESSAGES = 20
+TITLE_MAX_CHARS = 80
+
+
+async def stored_history(
+    store: Store, chat_id: str, before: str | None = None
+) -> list[tuple[str, str]]:
+    """The chat's last turns as (role, text), up to the message `before` (excluded)."""
+    pairs = []
+    for m in await store.list_messages(chat_id):
+        if m.id == before:
+            break
+        if m.content and (m.role == "user" or m.status in ("completed", "cancelled")):
+            pairs.append((m.role, m.content))
+    return pairs[-HISTORY_MESSAGES:]
+
+
+def format_history(history: Sequence[tuple[str, str]]) -> str:
+    return "\n".join(
+        f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history
+    )
+
+
+async def rewrite(
+    llm: ChatModel, prompts: Prompts, question: str, history: Sequence[tuple[str, str]]
+) -> str | None:
+    """The standalone form of `question`, or None when it needs none (or the model failed)."""
+    prompt = prompts.render(
+        "rewrite_question", history=format_history(history) or "(none)", question=question
+    )
+    try:
+        text = await llm.complete([{"role": "user", "content": prompt}], max_tokens=200)
+    except AppError as exc:
+        log.info("rewrite skipped: %s", exc.message)
+        return None
+    text = text.strip().strip("\"'“”").strip()
+    if not text or text.lower().strip(" .") == "not_needed" or text == question:
+        return None
+    return text
+
+
+async def make_title(
+    llm: ChatModel, prompts: Prompts, store: Store, chat_id: str, question: str
+) -> None:
+    """Give a new chat a title written by the small model (its first line stays the
+    title when the model fails)."""
+    prompt = prompts.render("title", question=question)
+    try:
+        title = await llm.complete([{"role": "user", "content": prompt}], max_tokens=30)
+    except AppError as exc:
+        log.info("title for chat %s not made: %s", chat_id, exc.message)
+        return
+    title = (answer_lines(title) or [""])[0].strip("\"'“”")
+    if title:
+        await store.set_title(chat_id, title[:TITLE_MAX_CHARS])

@@ -1,0 +1,319 @@
+"""One home for saving answers: the final save, its retries, checkpoints of running
+answers, the sweeper of what a dead process left, and the last saves at shutdown.
+
+    save          an ended answer goes to the store within `SAVE_SECONDS`, or is
+                  kept and retried — each answer on its own, with growing pauses —
+                  so a store that is away or hangs never holds a client up, and one
+                  answer the store refuses never holds the others back
+    checkpoints   without Redis, a running answer is saved as far as it got every
+                  `stream.flush_interval_ms`: a crash loses at most that much of it
+    sweeper       answers left `streaming` by a process that died are saved from
+                  their logged events, as `failed`; uploads left `indexing` by one
+                  are marked `failed` (one process of the deployment at a time)
+    shutdown      a last try at everything not yet saved; what is still refused is
+                  logged by id (with Redis, another process's sweeper saves it from
+                  its log)
+
+Errors a save meets are sorted at the store's boundary: `Unavailable` (the store
+is away or too slow) is retried for up to `KEEP_TRYING_SECONDS`; anything else
+(data the store refuses, a bug) is retried `MAX_ATTEMPTS` times, then given up
+with one ERROR line naming the answer — a dead letter, never a blocked queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..chores import Chores
+from ..errors import AppError, Unavailable
+from ..events import Event
+from ..store import Checkpoint, Saved, Store, StoredMessage
+from ..streams import StreamHub
+
+log = logging.getLogger("app.keeper")
+
+SAVE_SECONDS = 3.0  # the final save waits this long, then goes on in the background
+SWEEP_GRACE = 2.0  # seconds an answer row exists before a sweeper looks at it
+SWEEP_PAGE = 200
+MAX_ATTEMPTS = 5  # saves that fail for another reason than an outage
+KEEP_TRYING_SECONDS = 3600.0  # saves that fail because the store is away
+FIRST_RETRY, LAST_RETRY = 0.2, 5.0
+#: a file still `indexing` this long after its upload, by a process no longer alive
+FILE_GRACE = 30.0
+LOST = "generation lost: its server process stopped"
+FILE_LOST = "the server stopped while reading this file; upload it again"
+
+
+class Running(Protocol):
+    """A generation of this process, as the keeper sees it."""
+
+    @property
+    def answer_id(self) -> str: ...
+
+    def progress(self) -> tuple[int, Checkpoint]:
+        """The seq of its last event so far, and the answer as far as it got."""
+        ...
+
+
+@dataclass(slots=True)
+class _Unsaved:
+    saved: Saved
+    since: float
+    attempts: int = 0
+    next_at: float = 0.0
+    delay: float = FIRST_RETRY
+
+
+class AnswerKeeper:
+    """Owned by the chat service; `open` starts its loops, `aclose` ends them."""
+
+    def __init__(
+        self,
+        store: Store,
+        hub: StreamHub,
+        *,
+        checkpoint_interval: float,
+        sweep_interval: float,
+    ) -> None:
+        self.store = store
+        self.hub = hub
+        self.checkpoint_interval = checkpoint_interval
+        self.sweep_interval = sweep_interval
+        self._running: dict[str, Running] = {}
+        self._checkpointed: dict[str, int] = {}  # answer → characters last checkpointed
+        self._unsaved: dict[str, _Unsaved] = {}
+        self._retry = asyncio.Event()
+        self._chores = Chores("answer keeper")
+
+    # -- the running answers of this process ---------------------------------------
+
+    def track(self, generation: Running) -> None:
+        self._running[generation.answer_id] = generation
+
+    def untrack(self, answer_id: str) -> None:
+        self._running.pop(answer_id, None)
+        self._checkpointed.pop(answer_id, None)
+
+    def runs(self, answer_id: str) -> bool:
+        return answer_id in self._running
+
+    # -- saving ----------------------------------------------------------------------
+
+    async def save(self, answer_id: str, saved: Saved) -> bool:
+        """Save an ended answer now, or keep it and save it later; never raises for a
+        store that fails or hangs. Returns whether it was saved now."""
+        try:
+            async with asyncio.timeout(SAVE_SECONDS):
+                await self.store.finish_answer(answer_id, saved)
+        except Exception as exc:  # any failure: kept and tried again, never waited on
+            self._keep(answer_id, saved, exc)
+            return False
+        return True
+
+    def unsaved(self, answer_id: str) -> bool:
+        return answer_id in self._unsaved
+
+    def pending(self) -> int:
+        """How many ended answers wait for the store."""
+        return len(self._unsaved)
+
+    def _keep(self, answer_id: str, saved: Saved, exc: BaseException) -> None:
+        if isinstance(exc, Unavailable | TimeoutError):
+            log.warning(
+                "answer %s could not be saved yet; retrying until the store is back", answer_id
+            )
+        else:
+            log.error("saving answer %s failed; retrying", answer_id, exc_info=exc)
+        entry = self._unsaved.get(answer_id)
+        if entry is None:
+            entry = self._unsaved[answer_id] = _Unsaved(saved, time.monotonic())
+        entry.saved = saved
+        self._fail(answer_id, entry, exc)
+        self._retry.set()
+
+    def _fail(self, answer_id: str, entry: _Unsaved, exc: BaseException) -> None:
+        """Count a failed attempt; give the answer up (a dead letter) past its cap."""
+        outage = isinstance(exc, Unavailable | TimeoutError)
+        if not outage:
+            entry.attempts += 1
+        now = time.monotonic()
+        if entry.attempts >= MAX_ATTEMPTS or now - entry.since > KEEP_TRYING_SECONDS:
+            del self._unsaved[answer_id]
+            log.error(
+                "answer %s is given up: the store refused it %d times (%s)",
+                answer_id,
+                entry.attempts,
+                type(exc).__name__ if not isinstance(exc, AppError) else exc.message,
+                extra={
+                    "fields": {
+                        "deadLetter": answer_id,
+                        "status": entry.saved.status,
+                        "chars": len(entry.saved.content),
+                    }
+                },
+            )
+            return
+        entry.next_at = now + entry.delay
+        entry.delay = min(entry.delay * 2, LAST_RETRY)
+
+    async def retry_now(self) -> int:
+        """One round: try every kept answer whose pause is over, each on its own.
+        Returns how many were saved."""
+        saved = 0
+        now = time.monotonic()
+        for answer_id, entry in list(self._unsaved.items()):
+            if entry.next_at > now:
+                continue
+            try:
+                async with asyncio.timeout(SAVE_SECONDS):
+                    await self.store.finish_answer(answer_id, entry.saved)
+            except Exception as exc:
+                self._fail(answer_id, entry, exc)
+                continue
+            self._unsaved.pop(answer_id, None)
+            saved += 1
+            log.info("answer %s saved after the store came back", answer_id)
+        return saved
+
+    async def _saver(self) -> None:
+        while True:
+            await self._retry.wait()
+            while self._unsaved:
+                await self.retry_now()
+                if self._unsaved:
+                    wait = min(e.next_at for e in self._unsaved.values()) - time.monotonic()
+                    await asyncio.sleep(max(wait, 0.05))
+            self._retry.clear()
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    async def checkpoint(self) -> int:
+        """Save every running answer that grew since its last checkpoint, as far as it
+        got, in one transaction; then a hub that holds events back until they are
+        durable may let them through. Returns how many were saved."""
+        due = []
+        for answer_id, generation in list(self._running.items()):
+            seq, progress = generation.progress()
+            if seq != self._checkpointed.get(answer_id, 0):
+                due.append((seq, progress))
+        if not due:
+            return 0
+        async with asyncio.timeout(SAVE_SECONDS):
+            await self.store.checkpoint_answers([progress for _, progress in due])
+        for seq, progress in due:
+            if progress.answer_id in self._running:
+                self._checkpointed[progress.answer_id] = seq
+                self.hub.release_saved(progress.answer_id, seq)
+        return len(due)
+
+    async def _checkpointer(self) -> None:
+        """Without Redis, every `checkpoint_interval`; with it, only while it is away
+        (then the store is what makes events durable, and streams go on at this pace)."""
+        while True:
+            await asyncio.sleep(self.checkpoint_interval)
+            if self.hub.holds_events and not self.hub.degraded:
+                continue
+            try:
+                await self.checkpoint()
+            except (AppError, TimeoutError) as exc:
+                log.debug("checkpoint skipped: %r", exc)
+
+    # -- the sweeper ------------------------------------------------------------------
+
+    async def sweep(self) -> int:
+        """Close the answers left `streaming` by a process that died (a kill -9): each
+        is saved with what its log holds — what a resuming client ends with — or, for
+        one that was checkpointed, with its checkpoint, whichever has more, as `failed`
+        (or as its logged end said). One process of the deployment sweeps at a time;
+        returns how many it closed."""
+        if not await self.hub.lead("sweeper", ttl=self.sweep_interval * 3):
+            return 0
+        closed = 0
+        # a claim outlives a dead owner by handle_ttl: younger rows cannot be orphans yet
+        before = time.time() - max(SWEEP_GRACE, self.hub.claim_ttl)
+        after: tuple[float, str] | None = None
+        while True:
+            page = await self.store.streaming_answers(before, after, SWEEP_PAGE)
+            candidates = [
+                answer
+                for answer in page
+                if answer.id not in self._running and answer.id not in self._unsaved
+            ]
+            states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
+            for answer, state in zip(candidates, states, strict=True):
+                if state == "gone":
+                    closed += await self._close_orphan(answer)
+            if len(page) < SWEEP_PAGE:
+                break
+            after = (page[-1].created_at, page[-1].id)
+        files = await self.store.fail_orphaned_files(FILE_LOST, time.time() - FILE_GRACE)
+        if files:
+            log.info("marked %d uploads left indexing by a stopped process as failed", files)
+        return closed
+
+    async def _close_orphan(self, answer: StoredMessage) -> int:
+        saved = saved_from(await self.hub.logged(answer.id), fallback=answer)
+        if await self.store.finish_answer(answer.id, saved, only_streaming=True):
+            log.info("closed orphaned answer %s as %s", answer.id, saved.status)
+            return 1
+        return 0
+
+    async def _sweeper(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except AppError as exc:
+                log.info("sweep skipped: %s", exc.message)
+            await asyncio.sleep(self.sweep_interval)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Start the loops (the sweeper first closes what a crash left)."""
+        self._chores.loop("sweeper", self._sweeper)
+        self._chores.loop("saver", self._saver)
+        self._chores.loop("checkpoints", self._checkpointer)
+
+    async def aclose(self) -> None:
+        """A last try at every answer still unsaved, then stop the loops."""
+        for entry in self._unsaved.values():
+            entry.next_at = 0.0
+        if self._unsaved:
+            await self.retry_now()
+        for answer_id in self._unsaved:
+            log.error("answer %s is not saved: the store is unavailable", answer_id)
+        await self._chores.aclose()
+
+
+def saved_from(logged: Sequence[Event], fallback: StoredMessage | None = None) -> Saved:
+    """What to save for an answer from its logged events: their text and progress
+    lines, and the status its end gave (`failed` when it has none: its process died,
+    or it ended with an error, which is saved too). A `fallback` row (a checkpoint)
+    with more text than the log wins: both are the start of the same answer."""
+    content = "".join(e.data.get("data", "") for e in logged if e.type == "message")
+    reasoning = "".join(e.data.get("data", "") for e in logged if e.type == "reasoning")
+    if fallback is not None and len(fallback.content) + len(fallback.reasoning) > len(
+        content
+    ) + len(reasoning):
+        content, reasoning = fallback.content, fallback.reasoning
+    status, error = "failed", None
+    last = logged[-1] if logged else None
+    if last is not None and last.type == "messageEnd":
+        status = last.data.get("status", "completed")
+    elif last is not None and last.type == "error":
+        error = {"key": str(last.data.get("key")), "data": str(last.data.get("data"))}
+    else:
+        error = {"key": "STREAM_ERROR", "data": LOST}
+    return Saved(
+        content=content, reasoning=reasoning, status=status, steps=steps_of(logged), error=error
+    )
+
+
+def steps_of(logged: Sequence[Event]) -> list[str]:
+    """An answer's progress lines, in order."""
+    return [str(e.data.get("data", "")) for e in logged if e.type == "progress"]
