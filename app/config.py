@@ -51,6 +51,9 @@ class LLMSettings:
     model: str = "deepseek-reasoner"
     small_model: str = ""
     timeout_seconds: float = 600.0
+    #: the model's context window: the answer's prompt is trimmed to fit (with room
+    #: for the answer), never refused upstream as too long
+    context_tokens: int = 32768
     connect_timeout_seconds: float = 10.0
     read_timeout_seconds: float = 120.0
 
@@ -121,6 +124,22 @@ class ResearchSettings:
     time_budget_seconds: float = 120.0
     sub_questions: int = 3
     pages_per_question: int = 3
+    #: the research agent's budget per optimization mode (PROTOCOL §1, §8): rounds of
+    #: tool calls and wall-clock seconds; `speed` is one search, no model call
+    speed_rounds: int = 1
+    balanced_rounds: int = 6
+    quality_rounds: int = 25
+    deep_rounds: int = 25
+    speed_seconds: float = 20.0
+    balanced_seconds: float = 60.0
+    quality_seconds: float = 180.0
+    deep_seconds: float = 300.0
+    #: how long one round's model call may take (a model that never answers costs this)
+    round_seconds: float = 45.0
+    #: how long the classifier may take before its safe default is used
+    classify_seconds: float = 10.0
+    #: what the answer's prompt may hold, in tokens (0: llm.context_tokens)
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -194,6 +213,8 @@ class StreamSettings:
     commit_linger_ms: float = 5.0
     #: how long a browser's EventSource waits before it reconnects (SSE `retry:`)
     retry_ms: int = 2000
+    #: no event is larger: sources and steps are trimmed to fit
+    max_event_bytes: int = 262144
     client_timeout_seconds: float = 30.0
 
 

@@ -44,6 +44,7 @@ class ChatRequest:
     history: tuple[tuple[str, str], ...] | None = None
     files: tuple[str, ...] = ()
     collections: tuple[str, ...] = ()  # knowledge collections to search (PROTOCOL §12)
+    sources: tuple[str, ...] = ()  # the kinds of sources allowed (empty: the mode decides)
     instructions: str = ""  # extra instructions for the model (Perplexica's systemInstructions)
     model: str | None = None  # a configured chat model the client picked
     format: str = "default"
@@ -145,6 +146,7 @@ def parse_chat_request(
     if not isinstance(files, list) or len(files) > MAX_FILES:
         raise BadRequest(f"files must be a list of at most {MAX_FILES} file ids")
     collections = parse_collections(body.get("collections"))
+    sources = parse_sources(body.get("sources"))
     instructions = body.get("systemInstructions", "")
     if not isinstance(instructions, str) or len(instructions) > max_content_chars:
         raise BadRequest(
@@ -167,11 +169,25 @@ def parse_chat_request(
         history=history,
         files=tuple(dict.fromkeys(parse_id(f, "files[]") for f in files)),
         collections=collections,
+        sources=sources,
         instructions=instructions.strip(),
         format=fmt,
         host=host,
         transport=transport,
     )
+
+
+#: the kinds of sources a request may name (PROTOCOL §1 `sources`)
+SOURCE_KINDS = ("web", "academic", "discussions", "files")
+
+
+def parse_sources(value: Any) -> tuple[str, ...]:
+    """`sources`: a list of `web`, `academic`, `discussions`, `files`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(v in SOURCE_KINDS for v in value):
+        raise BadRequest(f"sources must be a list of {', '.join(SOURCE_KINDS)}")
+    return tuple(dict.fromkeys(value))
 
 
 def parse_collections(value: Any) -> tuple[str, ...]:
@@ -309,6 +325,8 @@ def render_simple(event: Event) -> dict[str, Any] | None:
             content = data.get("content", "")
         else:
             content = data.get("data", "")
+            if "step" in data:
+                meta["step"] = data["step"]
     elif kind == "answer":
         content = data.get("data", "")
     elif kind == "complete":

@@ -56,6 +56,11 @@ def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model.reply_delay = 0.0
     model.flaked.clear()
     model.answer_text = None
+    model.tool_rounds.clear()
+    model.tool_streams.clear()
+    model.tools_refused = model.tools_ignored = False
+    model.tool_delay = 0.0
+    model.context_limit = None
     return model
 
 

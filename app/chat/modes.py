@@ -102,6 +102,12 @@ ACADEMIC = SearchScope(
 )
 YOUTUBE = SearchScope("YouTube", engines=("youtube",), sites=("youtube.com",))
 REDDIT = SearchScope("Reddit", engines=("reddit",), sites=("reddit.com",))
+#: the research agent's `discussion_search`: forums and Reddit
+DISCUSSIONS = SearchScope(
+    "discussions",
+    engines=("reddit",),
+    sites=("reddit.com", "news.ycombinator.com", "stackexchange.com"),
+)
 WOLFRAM_ALPHA = SearchScope("Wolfram Alpha", engines=("wolframalpha",), sites=("wolframalpha.com",))
 
 MODES: dict[str, FocusMode] = {

@@ -38,6 +38,7 @@ from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch
 from ..store import Chat, FileRecord, Store, StoredMessage, Usage
 from ..streams import LogWriter, StreamHub
+from .agent import Researcher
 from .generation import Generation, Services
 from .history import HISTORY_MESSAGES, TITLE_MAX_CHARS, format_history, stored_history
 from .keeper import AnswerKeeper
@@ -89,6 +90,7 @@ class ChatService:
             prompts=prompts,
             search=search,
             research=research,
+            researcher=Researcher(settings, llm=llm, prompts=prompts, web=search, files=files),
             files=files,
             store=store,
             keeper=self.keeper,

@@ -245,6 +245,8 @@ class OpenAIEncoder(Encoder[bytes]):
                     out.append(self._chunk({"content": data["data"]}))
             elif kind == "reasoning":
                 out.append(self._chunk({"reasoning_content": data.get("data", "")}))
+            elif kind == "progress" and "step" in data:  # shown as thinking, a line a step
+                out.append(self._chunk({"reasoning_content": data.get("data", "") + "\n"}))
             elif kind == "sources":
                 self._sources = perplexity_sources(data.get("data", []))
                 self._head, self._tail = self._frame()
