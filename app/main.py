@@ -116,6 +116,7 @@ async def open_service(
             retriever=retriever,
             reader=search.reader,
             ids=ids,
+            indexer=lease.token,
         )
         stack.push_async_callback(knowledge.aclose)
         service = ChatService(

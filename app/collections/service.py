@@ -22,6 +22,7 @@ exist.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ MAX_SHARED = 100
 MAX_URLS = 100
 BATCH_FILES = 32  # documents read by one child process and indexed in one commit
 BATCH_BYTES = 16 * 1024 * 1024
+STOPPED = "the server stopped while importing this document; add it again"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class CollectionService:
         retriever: Retriever,
         reader: Reader,
         ids: Snowflake,
+        indexer: str = "",
     ) -> None:
         self.settings = settings
         self.uploads = uploads
@@ -84,6 +87,9 @@ class CollectionService:
         self.reader = reader
         self.ids = ids
         self._chores = Chores("collections")
+        #: this process's worker lease token, kept with the documents it imports: one
+        #: left `indexing` by a process that died is swept as `failed`
+        self.indexer = indexer
         self._importing = asyncio.Semaphore(max(1, settings.import_concurrency))
 
     async def aclose(self) -> None:
@@ -272,7 +278,7 @@ class CollectionService:
             first = next(r for r in records if r.status == "failed")
             names = "; ".join(f"{r.title!r}: {r.error}" for r in records[:10])
             raise BadRequest(f"no document could be imported: {names}", status=first.code or 400)
-        await self.store.add_documents(records)
+        await self.store.add_documents(records, self.indexer)
         batch: list[tuple[DocumentRecord, Entry | str]] = []
         size = 0
         for record, item in queued:
@@ -288,7 +294,24 @@ class CollectionService:
     async def _index(self, batch: list[tuple[DocumentRecord, Entry | str]]) -> None:
         """Read, chunk, embed and index some documents, then mark them `ready` — or
         each that fails `failed` with why, with nothing of it left in the engine. The
-        documents that were read go into the engine together (one commit)."""
+        documents that were read go into the engine together (one commit). A server
+        that stops meanwhile marks the batch's documents still `indexing` as failed."""
+        try:
+            await self._index_batch(batch)
+        except asyncio.CancelledError:
+            stopped = [replace(r, status="failed", error=STOPPED, code=503) for r, _ in batch]
+            with contextlib.suppress(AppError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(self._fail_unfinished(stopped))
+            raise
+
+    async def _fail_unfinished(self, records: list[DocumentRecord]) -> None:
+        for record in records:
+            current = await self.store.get_document(record.id)
+            if current is not None and current.status == "indexing":
+                await self.store.finish_document(record)
+
+    async def _index_batch(self, batch: list[tuple[DocumentRecord, Entry | str]]) -> None:
         async with self._importing:
             started = time.monotonic()
             read: list[tuple[DocumentRecord, int, list[Passage]]] = []

@@ -369,8 +369,8 @@ SQL_LIST_COLLECTIONS = (
 )
 SQL_SHARES = "SELECT collection_id, user_id FROM collection_shares WHERE collection_id = ANY_OF"
 SQL_ADD_DOCUMENT = (
-    f"INSERT INTO collection_documents ({DOCUMENT_COLUMNS})"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"INSERT INTO collection_documents ({DOCUMENT_COLUMNS}, indexer)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 SQL_FINISH_DOCUMENT = (
     "UPDATE collection_documents SET status = ?, pages = ?, chunks = ?, error = ?, code = ?"
@@ -773,9 +773,15 @@ class Store(abc.ABC):
         """The collection, its shares and its documents' records."""
 
     @abc.abstractmethod
-    async def add_documents(self, records: Sequence[DocumentRecord]) -> None:
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
         """New documents (status `indexing`, or `failed` when refused at once), in one
-        transaction."""
+        transaction; `indexer` is the worker lease token of the process that reads them."""
+
+    @abc.abstractmethod
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        """Mark `failed` (with `error`) the collection documents still `indexing` that
+        were added before `created_before` by a process whose worker lease has run out.
+        Returns how many."""
 
     @abc.abstractmethod
     async def finish_document(self, record: DocumentRecord) -> None:

@@ -238,8 +238,11 @@ MIGRATIONS = (
         pages INTEGER NOT NULL DEFAULT 0,
         chunks INTEGER NOT NULL DEFAULT 0,
         error TEXT NOT NULL DEFAULT '',
-        code INTEGER NOT NULL DEFAULT 0
+        code INTEGER NOT NULL DEFAULT 0,
+        indexer TEXT
     );
+    CREATE INDEX collection_documents_indexing ON collection_documents (created_at)
+        WHERE status = 'indexing';
     CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
     CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
@@ -883,11 +886,23 @@ class PostgresStore(Store):
         return _one_row(status)
 
     @mapped
-    async def add_documents(self, records: Sequence[DocumentRecord]) -> None:
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.executemany(
-                numbered(SQL_ADD_DOCUMENT), [document_params(d) for d in records]
+                numbered(SQL_ADD_DOCUMENT),
+                [(*document_params(d), indexer or None) for d in records],
             )
+
+    @mapped
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        status = await self.pool.execute(
+            "UPDATE collection_documents SET status = 'failed', error = $1, code = 500"
+            " WHERE status = 'indexing' AND created_at < $2 AND (indexer IS NULL OR indexer"
+            f" NOT IN (SELECT token FROM workers WHERE expires_at > {NOW}))",
+            error,
+            created_before,
+        )
+        return int(status.rsplit(" ", 1)[-1])
 
     @mapped
     async def finish_document(self, record: DocumentRecord) -> None:

@@ -258,8 +258,11 @@ MIGRATIONS = (
         pages INTEGER NOT NULL DEFAULT 0,
         chunks INTEGER NOT NULL DEFAULT 0,
         error TEXT NOT NULL DEFAULT '',
-        code INTEGER NOT NULL DEFAULT 0
+        code INTEGER NOT NULL DEFAULT 0,
+        indexer TEXT
     );
+    CREATE INDEX collection_documents_indexing ON collection_documents (created_at)
+        WHERE status = 'indexing';
     CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
     CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
@@ -895,9 +898,20 @@ class SQLiteStore(Store):
             return cursor.rowcount == 1
 
     @mapped
-    async def add_documents(self, records: Sequence[DocumentRecord]) -> None:
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
         async with self._transaction() as db:
-            await db.executemany(SQL_ADD_DOCUMENT, [document_params(d) for d in records])
+            await db.executemany(
+                SQL_ADD_DOCUMENT, [(*document_params(d), indexer or None) for d in records]
+            )
+
+    @mapped
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        return await self._write(
+            "UPDATE collection_documents SET status = 'failed', error = ?, code = 500"
+            " WHERE status = 'indexing' AND created_at < ? AND (indexer IS NULL OR indexer"
+            " NOT IN (SELECT token FROM workers WHERE expires_at > ?))",
+            (error, created_before, time.time()),
+        )
 
     @mapped
     async def finish_document(self, record: DocumentRecord) -> None:
