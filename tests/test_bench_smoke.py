@@ -1,11 +1,13 @@
 """Short runs of the benchmarks' load generators (the benchmarks themselves are
-`python -m bench.run`, `bench.commit`…)."""
+`python -m bench.run`, `bench.commit`, `bench.soak`…)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,6 +52,26 @@ async def test_the_load_generator_runs_a_mixed_load(fast_app):
     assert summary["in_order"] == 1.0
     assert all(r.answer and r.answer[0].startswith("t") for r in results)
     assert 0 < summary["p50_ms"] < 1000
+
+
+async def test_the_soak_clients_follow_each_transport_and_agree_with_the_store(fast_app):
+    import httpx
+
+    from bench.soakload import Answer, Load, judge, saved_answer
+
+    with serve(fast_app) as server:
+        load = Load([SimpleNamespace(name="w1", url=server.url)], streams=3, seed=1)
+        answers = [
+            Answer(kind, str(100 + i), str(10**15 + i), f"s{i}n0", tokens=12)
+            for i, kind in enumerate(("sse", "ws", "openai"))
+        ]
+        await asyncio.gather(*(load.run(a) for a in answers))
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            saved = [await saved_answer(http, a) for a in answers]
+    assert [a.end for a in answers] == ["completed"] * 3
+    assert [judge(a, s) for a, s in zip(answers, saved, strict=True)] == [[], [], []]
+    assert saved[0]["content"] == "".join(f"s0n0.{i} " for i in range(12))
+    assert judge(answers[0], saved[1]) == ["mixed: saved", "lost"]
 
 
 async def test_the_group_commit_bench_measures_a_window(fast_app):
