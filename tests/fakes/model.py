@@ -100,7 +100,8 @@ class FakeModel:
     # -- what tests look at ---------------------------------------------------------
 
     def streamed_requests(self) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r.get("stream")]
+        """The answers' streams (not the research agent's tool rounds)."""
+        return [r for r in self.requests if r.get("stream") and not r.get("tools")]
 
     def last_system_prompt(self) -> str:
         messages = self.streamed_requests()[-1]["messages"]
