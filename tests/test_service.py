@@ -102,15 +102,10 @@ async def test_web_search_sends_progress_and_sources_before_the_answer(
         (4, "message"),
         (5, "reasoning"),
     ]
-    step = {"id": "search-1", "kind": "search", "query": RELEVANT_QUESTION, "provider": "Tavily"}
-    assert events[0][2] == {
-        "data": f"searching the web: {RELEVANT_QUESTION}",
-        "step": {**step, "status": "running"},
-    }
-    assert events[1][2] == {
-        "data": "found 8 results",
-        "step": {**step, "status": "done", "results": 8},
-    }
+    searching, found = events[0][2], events[1][2]
+    assert searching["data"] == f"searching the web: {RELEVANT_QUESTION}"
+    assert searching["step"]["kind"] == "search" and searching["step"]["status"] == "running"
+    assert found["step"] == {**searching["step"], "status": "done", "results": 8}
     sources = events[2][2]["data"]
     assert len(sources) == 9
     link = sources[-1]["metadata"]

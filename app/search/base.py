@@ -20,7 +20,8 @@ log = logging.getLogger("app.search")
 class SearchResult:
     """One hit. `content` is the page's text once read (else empty: use `snippet`).
     A passage of an uploaded file has its `file_id` (and `page`, 1-based, in a PDF);
-    its `url` is "File", as the Perplexica UI expects of file sources."""
+    its `url` is "File", as the Perplexica UI expects of file sources. A passage of a
+    knowledge collection has its `collection_id` and `document_id` (and `page`)."""
 
     title: str
     url: str
@@ -30,6 +31,10 @@ class SearchResult:
     page: int = 0
     date: str = ""  # when the page was published, ISO 8601, when the provider says
     last_updated: str = ""  # when it last changed, ISO 8601, when the provider says
+    #: a passage of a knowledge collection: its collection and document
+    collection_id: str = ""
+    document_id: str = ""
+    score: float = 0.0
 
     @property
     def text(self) -> str:

@@ -24,6 +24,7 @@ from .base import (
     SearchScope,
     absolute,
     results_from,
+    site_query,
     text,
 )
 
@@ -62,6 +63,8 @@ class SearxngSearch(SearchProvider):
         params = {"q": query}
         if scope is not None and scope.engines:
             params["engines"] = ",".join(scope.engines)
+        elif scope is not None:  # a site named, no engine for it: `site:` in the query
+            params["q"] = site_query(query, scope)
         if filters is not None and filters.recency:
             params["time_range"] = "day" if filters.recency == "hour" else filters.recency
         items = await self._results(**params)

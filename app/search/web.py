@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import itertools
 import logging
 import socket
 import time
+import zlib
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -181,7 +181,6 @@ class WebSearch:
         self.embedder = embedder
         self.prompts = prompts
         self._discovered: tuple[float, list[NewsItem] | None] = (0.0, None)
-        self._steps = itertools.count(1)  # the ids of search steps, unique in the process
         self._discovering = asyncio.Lock()
 
     async def aclose(self) -> None:
@@ -269,50 +268,64 @@ class WebSearch:
         """
         where = f" ({scope.name})" if scope else ""
         step = {
-            "id": f"search-{next(self._steps)}",
+            "id": f"search-{zlib.crc32(f'{where}{question}'.encode()):08x}",
             "kind": "search",
+            "status": "running",
             "query": question,
-            "provider": self.provider.name,
+            "provider": PROVIDER_LABELS.get(self.provider.name, self.provider.name),
         }
-        out.emit(
-            "progress",
-            data=f"searching the web{where}: {question}",
-            step={**step, "status": "running"},
-        )
+        out.emit("progress", data=f"searching the web{where}: {question}", step=step)
         budget = self.settings.search.timeout_seconds
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
-        share = CONTEXT_SHARES[(filters and filters.context_size) or "medium"][0]
-        limit = max(1, round(self.settings.search.max_results * share))
         try:
             async with asyncio.timeout(budget):
-                results = await self.provider.search(question, limit, scope, filters)
+                results = await self.provider.search(question, self.limit(filters), scope, filters)
         except TimeoutError:
             out.emit("progress", data="web search timed out", step={**step, "status": "failed"})
             return []
         except SearchError as exc:
             log.warning("search failed: %s", exc.message)
-            out.emit(
-                "progress",
-                data=f"web search failed ({exc.message})",
-                step={**step, "status": "failed"},
-            )
+            failed = {**step, "status": "failed", "results": 0}
+            out.emit("progress", data=f"web search failed ({exc.message})", step=failed)
             return []
-        if filters is not None:
-            results, unchecked = kept(results, filters, self.provider.honours)
-            for what in unchecked:
-                out.emit(
-                    "progress",
-                    data=f"{self.provider.name} cannot filter by date: {what} kept",
-                )
-        out.emit(
-            "progress",
-            data=f"found {len(results)} result{'s' if len(results) != 1 else ''}",
-            step={**step, "status": "done", "results": len(results)},
-        )
+        results = self.keep_to(out, results, filters)
+        found = {**step, "status": "done", "results": len(results)}
         if not results:
-            out.emit("progress", data="web search found nothing")
+            out.emit("progress", data="web search found nothing", step=found)
             return []
+        out.emit("progress", data=f"found {len(results)} results", step=found)
+        return await self.refine(out, question, mode, results, deadline, picks)
+
+    def limit(self, filters: SearchFilters | None) -> int:
+        """How many results a search asks for: `search.max_results`, by `contextSize`."""
+        share = CONTEXT_SHARES[(filters and filters.context_size) or "medium"][0]
+        return max(1, round(self.settings.search.max_results * share))
+
+    def keep_to(
+        self, out: Progress, results: list[SearchResult], filters: SearchFilters | None
+    ) -> list[SearchResult]:
+        """The results that pass `filters` (see `kept`); what could not be checked is
+        said in a `progress` event."""
+        if filters is None:
+            return results
+        results, unchecked = kept(results, filters, self.provider.honours)
+        for what in unchecked:
+            out.emit("progress", data=f"{self.provider.name} cannot filter by date: {what} kept")
+        return results
+
+    async def refine(
+        self,
+        out: Progress,
+        question: str,
+        mode: str,
+        results: list[SearchResult],
+        deadline: float,
+        picks: int = QUALITY_PICKS,
+    ) -> list[SearchResult]:
+        """What the optimization mode does with search results: `balanced` ranks them
+        by embeddings and reads the best page, `quality` has the small model pick at
+        most `picks` and reads them all; `speed` keeps them as they are."""
         if mode == "balanced":
             try:
                 results = await rank_by_embeddings(self.embedder, question, results)
@@ -335,7 +348,7 @@ class WebSearch:
         out.emit("progress", data=f"reading {count} page{'s' if count != 1 else ''}")
         timeout = self.settings.reader.timeout_seconds
         pages = await until_deadline(
-            [self._read_one(r.url, timeout) for r in results[:count]], deadline
+            [self.read_page(r.url, timeout) for r in results[:count]], deadline
         )
         read = list(results)
         for i, page in enumerate(pages):
@@ -349,7 +362,8 @@ class WebSearch:
             )
         return read
 
-    async def _read_one(self, url: str, timeout: float) -> str:
+    async def read_page(self, url: str, timeout: float) -> str:
+        """A page's text; "" when it cannot be read in time (logged by host)."""
         try:
             async with asyncio.timeout(timeout):
                 return await self.reader.read(url)
@@ -391,7 +405,12 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
             metadata["fileId"] = r.file_id
             if r.page:
                 metadata["page"] = r.page
-        text = r.snippet if r.file_id else (r.snippet or r.content)[:SNIPPET_CHARS]
+        elif r.collection_id:
+            metadata["collectionId"] = r.collection_id
+            metadata["documentId"] = r.document_id
+            metadata["page"] = r.page
+        passage = r.file_id or r.collection_id
+        text = r.snippet if passage else (r.snippet or r.content)[:SNIPPET_CHARS]
         entries.append({"metadata": metadata, "pageContent": text})
     return entries
 
@@ -405,6 +424,6 @@ def context_of(results: list[SearchResult], chars: int = CONTEXT_CHARS_PER_SOURC
 
 
 def cited(result: SearchResult) -> str:
-    if not result.file_id:
+    if not (result.file_id or result.collection_id):
         return result.url
     return f"{result.title}" + (f" (page {result.page})" if result.page else "")

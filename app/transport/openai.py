@@ -32,7 +32,15 @@ from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, NotFound
 from ..events import FOCUS_MODES, Event, Handle
-from ..protocol import OPTIMIZATION_MODES, ChatRequest, Encoder, Events, parse_search
+from ..protocol import (
+    OPTIMIZATION_MODES,
+    ChatRequest,
+    Encoder,
+    Events,
+    parse_collections,
+    parse_id,
+    parse_search,
+)
 from .http import (
     ERROR_TYPES,
     client_identity,
@@ -129,28 +137,36 @@ def api_user(request: Request, claimed: str | None) -> str:
         return client_identity(request, None)
 
 
-def parse_model(body: Any) -> tuple[str, str]:
-    """The focus and optimization modes a request's `model` names. `BadRequest`, or
-    `NotFound` for a model that is not one of `model_ids()`."""
+def parse_model(body: Any) -> tuple[str, str, dict[str, Any]]:
+    """The focus and optimization modes a request's `model` names, and the chat
+    request's fields it and `collections` set (`collection:<id>`: that collection
+    alone, no web). `BadRequest`, or `NotFound` for a model that is not one of
+    `model_ids()`."""
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models")
     focus, _, optimization = model.partition(":")
-    if model not in model_ids() or focus not in FOCUS_MODES:
+    collections = parse_collections(body.get("collections"))
+    copilot = True
+    if focus == "collection":  # `collection:<id>`: that collection alone, no web
+        collections = (*collections, parse_id(optimization, "model's collection id"))
+        focus, optimization, copilot = "webSearch", "", False
+    elif model not in model_ids() or focus not in FOCUS_MODES:
         raise NotFound(f"the model {model!r} does not exist: see GET /v1/models")
-    return focus, optimization
+    fields = {"collections": tuple(dict.fromkeys(collections)), "copilot_enabled": copilot}
+    return focus, optimization, fields
 
 
 def parse_completion(body: Any, settings: Settings) -> ChatRequest:
     """An OpenAI chat completion request as a chat request. `BadRequest`, or
     `NotFound` for a model that is not one of `model_ids()`."""
-    focus, optimization = parse_model(body)
+    focus, optimization, fields = parse_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
-    return conversation(messages, "messages", focus, optimization, settings, body)
+    return conversation(messages, "messages", focus, optimization, settings, body, fields)
 
 
 def conversation(
@@ -160,14 +176,15 @@ def conversation(
     optimization: str,
     settings: Settings,
     body: dict[str, Any],
+    fields: dict[str, Any],
     *,
     instructions: str = "",
 ) -> ChatRequest:
     """OpenAI's messages (`{role, content}`, content a string or a list of text parts)
-    as a chat request: the last user message the question, the user and assistant ones
-    before it the history, system and developer ones extra instructions; Perplexity's
-    search parameters of `body` as its `search` controls. `BadRequest` names the
-    message (`name[i]`)."""
+    as a chat request with `fields` (what the model named): the last user message the
+    question, the user and assistant ones before it the history, system and developer
+    ones extra instructions; Perplexity's search parameters of `body` as its `search`
+    controls. `BadRequest` names the message (`name[i]`)."""
     limits = settings.limits
     turns: list[tuple[str, str]] = []
     extra: list[str] = [instructions]
@@ -198,7 +215,7 @@ def conversation(
         instructions="\n\n".join(t for t in extra if t.strip())[: limits.max_content_chars],
         transport="openai",
     )
-    return replace(request, **search_parameters(body, focus))
+    return replace(request, **{**fields, **search_parameters(body, focus)})
 
 
 #: the text parts of a message's content, in either API
@@ -334,11 +351,12 @@ class OpenAIEncoder(Encoder[bytes]):
                     out.append(self._chunk({"content": data["data"]}))
             elif kind == "reasoning":
                 out.append(self._chunk({"reasoning_content": data.get("data", "")}))
+            elif kind == "progress" and "step" in data:  # shown as thinking, a line a step
+                self._searches += searched(data)
+                out.append(self._chunk({"reasoning_content": data.get("data", "") + "\n"}))
             elif kind == "sources":
                 self._sources = perplexity_sources(data.get("data", []))
                 self._head, self._tail = self._frame()
-            elif kind == "progress":
-                self._searches += searched(data)
             elif kind == "keep-alive":
                 out.append(b": keep-alive\n\n")
             elif kind == "messageEnd":

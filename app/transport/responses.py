@@ -422,7 +422,7 @@ class ResponsesEncoder(Encoder[bytes]):
 def parse_response_request(body: Any, settings: Settings) -> tuple[ChatRequest, ResponseRequest]:
     """A `POST /v1/responses` body as a chat request and what the response echoes.
     `BadRequest`, or `NotFound` for an unknown model."""
-    focus, optimization = parse_model(body)
+    focus, optimization, fields = parse_model(body)
     model = str(body["model"])
     given = body.get("input")
     if isinstance(given, str):
@@ -462,7 +462,14 @@ def parse_response_request(body: Any, settings: Settings) -> tuple[ChatRequest, 
         raise BadRequest("previous_response_id must be a string")
     user = body.get("user") if isinstance(body.get("user"), str) else None
     request = conversation(
-        messages, "input", focus, optimization, settings, body, instructions=instructions or ""
+        messages,
+        "input",
+        focus,
+        optimization,
+        settings,
+        body,
+        fields,
+        instructions=instructions or "",
     )
     asked = ResponseRequest(
         model=model,
