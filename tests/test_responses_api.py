@@ -24,8 +24,9 @@ ANSWER = "Raptor burns methane [4] with oxygen [1]."
 def api(settings, **sections):
     """The server, and an `openai` client pointed at it."""
     with serve(create_app(settings.replace(**sections))) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="anything", max_retries=0)
-        yield server, client
+        url = server.url + "/v1"
+        with openai.OpenAI(base_url=url, api_key="anything", max_retries=0) as client:
+            yield server, client
 
 
 def test_a_whole_response_with_searches_reasoning_citations_and_usage(

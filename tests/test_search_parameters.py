@@ -41,7 +41,8 @@ OTHER_WEB = [
 @contextlib.contextmanager
 def api(settings, provider="tavily"):
     with serve(create_app(settings.replace(search={"provider": provider}))) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0) as client:
+            yield client
 
 
 def ask(client, **params):
