@@ -120,6 +120,8 @@ class ReaderSettings:
 
 @dataclass(frozen=True)
 class ResearchSettings:
+    #: the fixed research loop's keys, read no more (deepResearch is the research agent,
+    #: `deep_rounds` and `deep_seconds`): kept so that older config files still load
     max_iterations: int = 3
     time_budget_seconds: float = 120.0
     sub_questions: int = 3

@@ -4,6 +4,7 @@ within its optimization mode's budget, and every step is streamed.
     speed      one search of the (standalone) question: no model call before the answer
     balanced   up to `research.balanced_rounds` rounds, `balanced_seconds`
     quality    up to `research.quality_rounds` rounds, `quality_seconds`
+    deep       deepResearch: up to `research.deep_rounds` rounds, `deep_seconds`
 
 A round is one model call that asks for tools — `web_search`, `academic_search`,
 `discussion_search`, `read_url`, `search_files`, `search_collection`, `done` — and
@@ -219,7 +220,8 @@ class Researcher:
             if not job.reads and web and loop.time() < job.deadline:
                 # the model read nothing: ranked and read as the mode does without it
                 others = [r for r in found[len(pinned) :] if not r.url.startswith("http")]
-                refined = await self.web.refine(out, job.question, mode, web, job.deadline)
+                how = "quality" if mode == "deep" else mode  # deep research reads like quality
+                refined = await self.web.refine(out, job.question, how, web, job.deadline)
                 return [*pinned, *refined, *others]
         return list(job.found.values())
 
