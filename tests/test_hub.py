@@ -21,7 +21,7 @@ from app.streams import Handle, StreamHub, open_redis
 from app.streams import rediskeys as keys
 from app.streams.memory import MemoryHub
 from app.streams.redis import RedisHub
-from tests.conftest import RedisServer
+from tests.conftest import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -407,3 +407,43 @@ async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
         finally:
             await client.aclose()
             await admin.aclose()
+
+
+async def test_cluster_a_master_killed_mid_stream_loses_nothing():
+    """A three-master cluster with a replica each: the master that holds a running
+    answer's log and its chat's claim is killed mid-stream and its replica promoted;
+    the owner writes on, the follower on another process gets every event once and
+    the end, and the chat stays claimed by its generation."""
+    with RedisCluster(replicas=1) as cluster:
+        async with (
+            redis_hub(cluster.url, True, flush_interval=0.01, handle_ttl=3) as owner,
+            redis_hub(cluster.url, True, handle_ttl=3) as other,
+        ):
+            h = handle(chat="31", answer="3100")
+            log = await owner.register(h, lambda: None)
+            reader = asyncio.create_task(collect(other, h, timeout=40))
+            master = cluster.node_of(keys.log(h.answer_id))
+            replica = cluster.replica_of(master)
+
+            async def write() -> None:
+                for i in range(1, 301):
+                    log.append(Event("message", "31", "3100", {"data": str(i)}, i))
+                    await asyncio.sleep(0.02)
+
+            writer = asyncio.create_task(write())
+            await asyncio.sleep(1.0)
+            master.proc.kill()  # type: ignore[union-attr]
+            master.proc.wait()  # type: ignore[union-attr]
+            master.proc = None
+            for _ in range(200):  # the replica sees its master fail and takes over
+                if replica in await asyncio.to_thread(cluster.masters):
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(cluster.wait_ok)
+            await writer
+            assert (await other.lookup("31")) == h
+            await owner.finish(h, Event("messageEnd", "31", "3100", {"status": "completed"}, 301))
+            got = await reader
+            assert [e.seq for e in got] == list(range(1, 302))
+            assert got[-1].type == "messageEnd"
+            assert [e.seq for e in await other.logged("3100")] == list(range(1, 302))

@@ -89,6 +89,7 @@ async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator
             failing_since, delay = None, 0.1
         except (RedisError, OSError, AppError, TimeoutError) as exc:
             hub.connection_lost()
+            await hub.reconnect()
             now = time.monotonic()
             if failing_since is None:
                 failing_since = now

@@ -121,6 +121,7 @@ class RedisHub(StreamHub):
         self.blocking = blocking or blocking_client(redis)
         self._owns_blocking = blocking is None
         self._cluster = is_cluster(redis)
+        self._mapped = 0.0  # when the cluster's slot map was last read after a failure
         self.local = LocalRegistry(replay_ttl)
         self.token = secrets.token_hex(8)
         self.replay_ttl_ms = int(replay_ttl * 1000)
@@ -184,6 +185,19 @@ class RedisHub(StreamHub):
 
     def connection_lost(self) -> None:
         self.recovery.connection_lost()
+
+    async def reconnect(self) -> None:
+        """After a failed call: on a cluster, read where the slots are now (a replica
+        may have taken over a failed master), at most twice a second. redis-py reads
+        it again by itself after a failed command, not after a failed pipeline."""
+        now = time.monotonic()
+        if not self._cluster or now - self._mapped < 0.5:
+            return
+        self._mapped = now
+        for client in (self.redis, self.blocking):
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.timeout):
+                    await client.nodes_manager.initialize()
 
     def _lost_data(self) -> None:
         self.recovery.lost_data()
@@ -375,6 +389,7 @@ class RedisHub(StreamHub):
                     )
                 self._outage = True
                 self.connection_lost()
+                await self.reconnect()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 if self.journal.pending:
@@ -479,10 +494,8 @@ class RedisHub(StreamHub):
         delay, failing = 0.1, False
         follows = k.follow_channel(self.token)
         while True:
-            if failing and self._cluster:  # a node failed: where are the slots now?
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    async with asyncio.timeout(self.timeout):
-                        await self.blocking.nodes_manager.initialize()
+            if failing:
+                await self.reconnect()
             pubsub = self.blocking.pubsub(ignore_subscribe_messages=True)
             try:
                 if self._cluster:  # the slot map, to pick the node to listen on
@@ -542,6 +555,7 @@ class RedisHub(StreamHub):
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("heartbeat: redis unavailable: %r", exc)
                 self.connection_lost()
+                await self.reconnect()
 
     async def beat(self) -> None:
         """One heartbeat, in one pipeline: say this process lives (and keep its journal),
