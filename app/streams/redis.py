@@ -156,7 +156,7 @@ class RedisHub(StreamHub):
     # -- lifecycle ------------------------------------------------------------------
 
     async def open(self) -> None:
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             await self.redis.set(k.proc(self.token), b"1", px=self.handle_ttl_ms)
         self._chores.loop("committer", self._committer)
         self._chores.loop("cancel listener", self._listener)
@@ -180,8 +180,18 @@ class RedisHub(StreamHub):
         return self._outage
 
     async def ping(self) -> None:
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             await self.redis.ping()
+
+    @contextlib.asynccontextmanager
+    async def _unavailable(self) -> AsyncIterator[None]:
+        """`unavailable`, and the cluster's slot map read again after a failure."""
+        try:
+            async with unavailable(self.timeout * 2):
+                yield
+        except Unavailable:
+            await self.reconnect()
+            raise
 
     def connection_lost(self) -> None:
         self.recovery.connection_lost()
@@ -218,7 +228,7 @@ class RedisHub(StreamHub):
             raise recovering(wait)
         payload = k.dump_handle(handle)
         cap_key = cap_key or handle.user_id
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             claimed, running = await self.claims.claim(handle, payload, cap_key)
             if claimed == RECOVERING:
                 self._lost_data()
@@ -277,7 +287,7 @@ class RedisHub(StreamHub):
         local = self.local.lookup(chat_id)
         if local is not None:
             return local
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             raw = await self.redis.get(k.run(chat_id))
         if raw is None and self.recovery.doubtful():
             raise recovering(self.recovery.doubt_until - time.monotonic())
@@ -286,13 +296,13 @@ class RedisHub(StreamHub):
     async def cancel(self, handle: Handle) -> None:
         if self.local.cancel(handle.answer_id):
             return
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             ttl = max(self.handle_ttl_ms * 2, 60_000)
             await self.redis.set(k.cancel(handle.answer_id), b"1", px=ttl)
             await self.redis.publish(k.CANCEL_CHANNEL, handle.answer_id)
 
     async def latest(self, chat_id: str) -> Handle | None:
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             answer_id = await self.redis.get(k.latest(chat_id))
         if answer_id:
             return await self.find(k.text(answer_id))
@@ -303,7 +313,7 @@ class RedisHub(StreamHub):
         local = self.local.log(answer_id)
         if local is not None:
             return local.handle
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             raw = await self.redis.get(k.gen(answer_id))
         if raw is None and self.recovery.doubtful():
             raise recovering(self.recovery.doubt_until - time.monotonic())
@@ -344,7 +354,7 @@ class RedisHub(StreamHub):
         handle = await self.find(answer_id)
         if handle is None:
             return []
-        async with unavailable(self.timeout * 2):
+        async with self._unavailable():
             events = await self.gather(handle)
         return [events[seq] for seq in sorted(events)]
 
