@@ -31,8 +31,8 @@ def open_redis(
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    # one attempt per call: a retry here would multiply every deadline, and the
-    # callers retry (or answer 503) themselves
+    # one attempt per call on one Redis: a retry here would multiply every deadline,
+    # and the callers retry (or answer 503) themselves
     options: dict[str, Any] = {
         "protocol": 2,
         "socket_timeout": None,
@@ -47,12 +47,11 @@ def open_redis(
         parts = urlsplit(url)
         if parts.path.strip("/") not in ("", "0"):
             raise ValueError("a Redis Cluster has database 0 only: leave the URL's path empty")
+        # one retry: a call that meets a failed master reads the slot map again and
+        # goes to the replica that took over (the caller's deadline still bounds both)
+        options["retry"] = Retry(NoBackoff(), 1)
         return aioredis.RedisCluster.from_url(
-            parts._replace(path="").geturl(),
-            # a node that fails is dropped from the slot map at once, and the map is
-            # read again at the next call: a promoted replica takes over
-            reinitialize_steps=1,
-            **options,
+            parts._replace(path="").geturl(), reinitialize_steps=1, **options
         )
     pool = aioredis.BlockingConnectionPool.from_url(
         url, health_check_interval=15, timeout=timeout, **options

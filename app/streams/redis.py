@@ -127,6 +127,9 @@ class RedisHub(StreamHub):
         self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
         self.claim_ttl = handle_ttl
+        #: this process's liveness key outlives a beat or two that a busy loop delays:
+        #: found missing, it means Redis lost its data
+        self.proc_ttl_ms = self.handle_ttl_ms * 2
         #: how long new events wait for others to share their journal write; a flush
         #: interval given by older callers caps it
         self.commit_linger = (
@@ -157,7 +160,7 @@ class RedisHub(StreamHub):
 
     async def open(self) -> None:
         async with self._unavailable():
-            await self.redis.set(k.proc(self.token), b"1", px=self.handle_ttl_ms)
+            await self.redis.set(k.proc(self.token), b"1", px=self.proc_ttl_ms)
         self._chores.loop("committer", self._committer)
         self._chores.loop("cancel listener", self._listener)
         self._chores.loop("heartbeat", self._heartbeat)
@@ -585,7 +588,7 @@ class RedisHub(StreamHub):
         for r in due:
             by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(k.proc(self.token), b"1", px=self.handle_ttl_ms, get=True)
+            pipe.set(k.proc(self.token), b"1", px=self.proc_ttl_ms, get=True)
             pipe.pexpire(k.journal(self.token), self.keep_ms)
             for r in due:
                 pipe.getex(k.run(r.handle.chat_id), px=self.handle_ttl_ms)

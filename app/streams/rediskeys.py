@@ -11,7 +11,7 @@ touches one hash slot of a Redis Cluster (and one node):
     sc:{a:answerId}:owner    the token of the process that runs it
     sc:{a:answerId}:log      a Redis Stream; each entry holds a batch of its events
     sc:{a:answerId}:cancel   a short-lived cancel flag, in case pub/sub misses the owner
-    sc:{p:token}:proc        this process is alive (TTL `handle_ttl`, refreshed by its
+    sc:{p:token}:proc        this process is alive (TTL twice `handle_ttl`, refreshed by its
                              heartbeat); found missing, it tells the process that Redis
                              lost its data
     sc:{p:token}:journal     a Redis Stream of this process's events not yet in their logs:
