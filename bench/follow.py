@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import secrets
 import shutil
 import socket
 import subprocess
@@ -76,13 +77,16 @@ class Counted:
         client.pipeline = pipe
 
 
-async def total_calls(client: Any, cluster: bool) -> int:
+async def calls_by_node(client: Any, cluster: bool) -> dict[str, int]:
+    """The commands each master (the one Redis) has run."""
     if cluster:
         found = await client.info("commandstats", target_nodes=client.PRIMARIES)
-        stats = list(found.values())
     else:
-        stats = [await client.info("commandstats")]
-    return sum(v["calls"] for s in stats for k, v in s.items() if k.startswith("cmdstat_"))
+        found = {"redis": await client.info("commandstats")}
+    return {
+        node: sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_"))
+        for node, stats in found.items()
+    }
 
 
 async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) -> dict[str, float]:
@@ -115,8 +119,9 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
                 return await write(plan)
 
             owner._write = measured  # type: ignore[method-assign]
-            hs = [Handle(f"c{i}", f"a{i}", "q", "u", "q?") for i in range(others)]
-            followed = Handle("cf", "f", "q", "u", "q?")
+            run_id = secrets.token_hex(4)  # a Redis kept from an earlier run holds its answers
+            hs = [Handle(f"c{i}.{run_id}", f"a{i}.{run_id}", "q", "u", "q?") for i in range(others)]
+            followed = Handle(f"cf.{run_id}", f"f.{run_id}", "q", "u", "q?")
             logs = [await owner.register(h, lambda: None) for h in [followed, *hs]]
             got: list[Event] = []
 
@@ -126,7 +131,8 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
 
             reader = asyncio.create_task(follow())
             await asyncio.sleep(0.5)
-            before = await total_calls(admin, cluster)
+            by_node = await calls_by_node(admin, cluster)
+            before = sum(by_node.values())
             follower_before = follower_counts.commands
             follower_bytes_before = follower_counts.bytes
             journal_bytes = 0
@@ -140,12 +146,19 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
                 h = log.handle
                 await owner.finish(h, Event("messageEnd", h.chat_id, h.answer_id, {}, tokens + 1))
             await asyncio.wait_for(reader, 10)
-            after = await total_calls(admin, cluster)
+            elapsed = time.monotonic() - started
+            by_node_after = await calls_by_node(admin, cluster)
+            after = sum(by_node_after.values())
             follower_commands = follower_counts.commands - follower_before
             follower_bytes = follower_counts.bytes - follower_bytes_before
             written = after - before - follower_commands
             assert [e.seq for e in got] == list(range(1, tokens + 2))
+            per_node = {
+                f"commands_per_s {node}": (by_node_after[node] - by_node.get(node, 0)) / elapsed
+                for node in sorted(by_node_after)
+            }
             return {
+                **per_node,
                 "follower_commands_per_token": follower_commands / tokens,
                 "follower_bytes_per_token": follower_bytes / tokens,
                 "journal_bytes_per_followed_token": journal_bytes / tokens,

@@ -15,13 +15,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
 from ..errors import AppError
 from ..events import Event, Handle
 from . import rediskeys as k
+from .connect import is_cluster
 
 if TYPE_CHECKING:
     from .redis import RedisHub
@@ -33,6 +34,20 @@ BLOCK_MS = 1000
 WATCH_EVERY = 2.0
 #: a follower that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
+
+
+async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
+    """XREAD BLOCK on one stream. On a cluster, sent to the node of the key's slot
+    as the client's map has it (redis-py would otherwise ask the server for the keys
+    of every XREAD, a `COMMAND GETKEYS` round trip each); a MOVED answer is still
+    followed."""
+    if not is_cluster(client):
+        return await client.xread({key: last_id}, block=BLOCK_MS)
+    await client.initialize()  # the slot map, once
+    node = client.get_node_from_key(key)
+    return await client.execute_command(
+        "XREAD", "BLOCK", BLOCK_MS, "STREAMS", key, last_id, target_nodes=node
+    )
 
 
 async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
@@ -61,7 +76,7 @@ async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator
                         await hub.redis.publish(k.follow_channel(owner), handle.answer_id)
                 announced = now
             async with asyncio.timeout(BLOCK_MS / 1000 + hub.timeout):
-                found = k.entries(await hub.blocking.xread({key: last_id}, block=BLOCK_MS))
+                found = k.entries(await _xread(hub.blocking, key, last_id))
             if not found:
                 # nothing for a while: does it still run?
                 (state,) = await hub.states([(handle.chat_id, handle.answer_id)])
