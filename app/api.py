@@ -377,8 +377,11 @@ async def upload(request: Request) -> Response:
     )
 
 
-async def read_form(request: Request, limit: int) -> FormData:
-    """A multipart body of at most `limit` bytes (413 past it, read to its end first)."""
+async def read_form(
+    request: Request, limit: int, max_files: int = MAX_FILES_PER_UPLOAD
+) -> FormData:
+    """A multipart body of at most `limit` bytes and `max_files` files (413 past the
+    size, read to its end first)."""
     declared = request.headers.get("content-length")
     if declared is not None and is_number(declared) and int(declared) > limit:
         await read_json(request, limit)  # reads it to its end, then says 413
@@ -395,9 +398,7 @@ async def read_form(request: Request, limit: int) -> FormData:
     if "multipart/form-data" not in request.headers.get("content-type", ""):
         raise BadRequest("send the files as multipart/form-data", status=415)
     try:
-        parser = MultiPartParser(
-            request.headers, bounded(), max_files=MAX_FILES_PER_UPLOAD, max_fields=20
-        )
+        parser = MultiPartParser(request.headers, bounded(), max_files=max_files, max_fields=20)
         return await parser.parse()
     except MultiPartException as exc:
         raise BadRequest(f"the upload is not valid multipart: {exc.message}") from exc

@@ -51,6 +51,9 @@ class LLMSettings:
     model: str = "deepseek-reasoner"
     small_model: str = ""
     timeout_seconds: float = 600.0
+    #: the model's context window: the answer's prompt is trimmed to fit (with room
+    #: for the answer), never refused upstream as too long
+    context_tokens: int = 32768
     connect_timeout_seconds: float = 10.0
     read_timeout_seconds: float = 120.0
 
@@ -121,6 +124,22 @@ class ResearchSettings:
     time_budget_seconds: float = 120.0
     sub_questions: int = 3
     pages_per_question: int = 3
+    #: the research agent's budget per optimization mode (PROTOCOL §1, §8): rounds of
+    #: tool calls and wall-clock seconds; `speed` is one search, no model call
+    speed_rounds: int = 1
+    balanced_rounds: int = 6
+    quality_rounds: int = 25
+    deep_rounds: int = 25
+    speed_seconds: float = 20.0
+    balanced_seconds: float = 60.0
+    quality_seconds: float = 180.0
+    deep_seconds: float = 300.0
+    #: how long one round's model call may take (a model that never answers costs this)
+    round_seconds: float = 45.0
+    #: how long the classifier may take before its safe default is used
+    classify_seconds: float = 10.0
+    #: what the answer's prompt may hold, in tokens (0: llm.context_tokens)
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,37 @@ class UploadSettings:
     extract_timeout_seconds: float = 120.0
     passages: int = 8  # the most file passages given to the model per question
     embed_batch: int = 64
+
+
+@dataclass(frozen=True)
+class RerankSettings:
+    """An optional reranker of collection passages: a Jina/Cohere-style `POST {url}`
+    with `{"model", "query", "documents", "top_n"}` answering `{"results": [{"index",
+    "relevance_score"}]}` (`/rerank` of an OpenAI-compatible server too). Empty: off."""
+
+    url: str = ""
+    model: str = ""
+    api_key: str = ""
+    timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class CollectionSettings:
+    """Knowledge collections (PROTOCOL §12). `url` names the engine:
+    `tantivy:///data/collections` (embedded, the default; a relative path is beside the
+    config file), `milvus:///data/collections.db` (Milvus Lite in a file) or
+    `milvus://host:19530` (a Milvus server or cluster)."""
+
+    url: str = "tantivy:///data/collections"
+    max_documents: int = 10_000  # per collection
+    max_import_bytes: int = 500 * 1024 * 1024  # one request's files together (a zip unpacked)
+    max_import_files: int = 1000  # files in one request (the entries of a zip included)
+    passages: int = 8  # passages given to the model per question
+    candidates: int = 50  # taken from each ranking before fusion
+    rrf_k: int = 60
+    dense_weight: float = 1.0  # the vectors' ranking in the fusion, BM25's being 1
+    import_concurrency: int = 2  # documents of one process read and indexed at once
+    rerank: RerankSettings = field(default_factory=RerankSettings)
 
 
 @dataclass(frozen=True)
@@ -165,6 +215,8 @@ class StreamSettings:
     commit_linger_ms: float = 5.0
     #: how long a browser's EventSource waits before it reconnects (SSE `retry:`)
     retry_ms: int = 2000
+    #: no event is larger: sources and steps are trimmed to fit
+    max_event_bytes: int = 262144
     client_timeout_seconds: float = 30.0
 
 
@@ -245,6 +297,7 @@ class Settings:
     research: ResearchSettings = field(default_factory=ResearchSettings)
     uploads: UploadSettings = field(default_factory=UploadSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    collections: CollectionSettings = field(default_factory=CollectionSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     stream: StreamSettings = field(default_factory=StreamSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
@@ -340,6 +393,7 @@ def _derive(settings: Settings, folder: Path) -> Settings:
         },
         store={"url": sqlite_beside(settings.store.url, folder)},
         auth={"mode": auth_mode(settings.auth)},
+        collections={"url": path_beside(settings.collections.url, folder)},
     )
 
 
@@ -367,6 +421,15 @@ def sqlite_beside(url: str, folder: Path) -> str:
     if not url.startswith(prefix) or url.startswith(prefix + "/") or url == prefix + ":memory:":
         return url
     return prefix + str(folder / url[len(prefix) :])
+
+
+def path_beside(url: str, folder: Path) -> str:
+    """`tantivy:///data/x` → `tantivy:////<folder>/data/x` (and `milvus:///file.db`, a
+    Milvus Lite file); a server URL (`milvus://host:19530`) as it is."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or rest.startswith("/") or scheme == "sqlite":
+        return url
+    return f"{scheme}:///{folder / rest}"
 
 
 def _coerce(value: Any, kind: Any, where: str) -> Any:

@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from .llm import Delta, Message
+import orjson
+
+from .llm import Delta, Message, ToolsUnsupported, ToolTurn
 from .prompts import Prompts
 
 DEMO = "demo"
@@ -71,6 +74,16 @@ class DemoModel:
             yield Delta("content", piece)
             await asyncio.sleep(self.pace)
 
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """The demo model has no tool calling: it plans in JSON (as such models do)."""
+        raise ToolsUnsupported("the demo model does not take tools")
+
     async def complete(
         self,
         messages: Sequence[Message],
@@ -99,6 +112,18 @@ class DemoModel:
             )
         if kind == "rewrite_question":
             return "not_needed"
+        if kind == "classify":
+            asked = _field(text, "Latest message:")
+            return orjson.dumps(
+                {"skipSearch": False, "sources": ["web"], "question": asked}
+            ).decode()
+        if kind == "planner":
+            if "Found so far:\n(nothing yet)" in text:
+                query = topic_of(_field(text, "The user's question:"))
+                return orjson.dumps(
+                    {"calls": [{"tool": "web_search", "args": {"query": query}}]}
+                ).decode()
+            return '{"done": true}'
         if kind == "research_plan":
             topic = topic_of(question)
             return f"what is {topic}\nhistory of {topic}\n{topic} today"

@@ -52,6 +52,28 @@ class Delta:
 KEEPALIVE = Delta("keepalive")
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the model asked for; `arguments` as it sent them (JSON text,
+    perhaps broken: the caller parses it tolerantly)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTurn:
+    """What the model answered to a request with tools: text, and the calls it made."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+
+
+class ToolsUnsupported(StreamError):
+    """The model (or the server in front of it) refused a request with `tools`."""
+
+
 class ChatModel(Protocol):
     """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
     model (`app.demo`), chosen by `llm.base_url` (`open_model`)."""
@@ -72,6 +94,17 @@ class ChatModel(Protocol):
         timeout: float = 60.0,
     ) -> str: ...
 
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """One streamed request with `tools` (OpenAI's format), read to its end: the
+        text and the calls. `ToolsUnsupported` when the request is refused for its tools."""
+        ...
+
     async def probe(self) -> str | None:
         """Why the model cannot be used at all (not reachable, its key refused), in
         words for a person; None when it answers."""
@@ -90,6 +123,8 @@ class LLMClient:
     def __init__(self, settings: LLMSettings) -> None:
         self.settings = settings
         self.host = urlsplit(settings.base_url).hostname or ""
+        #: models seen to leave the opening `<think>` out (for this process)
+        self.open_left_out: set[str] = set()
         self._client: openai.AsyncOpenAI | None = None
         if settings.api_key:
             timeout = openai.Timeout(
@@ -125,7 +160,10 @@ class LLMClient:
         `<think>…</think>` inside `content` is split out into reasoning.
         """
         client = self._require()
-        splitter = ThinkSplitter()
+        name = model or self.settings.model
+        splitter = ThinkSplitter(
+            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
+        )
         received = done = False
         with model_errors("model", self.host):
             async with self._open_stream(client, messages, model) as response:
@@ -162,6 +200,12 @@ class LLMClient:
             raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
             yield delta
+        if splitter.lone_close and name not in self.open_left_out:
+            log.info(
+                "model %s leaves the opening <think> out: its answers are split from their start",
+                name,
+            )
+            self.open_left_out.add(name)
 
     @contextlib.asynccontextmanager
     async def _open_stream(
@@ -214,6 +258,47 @@ class LLMClient:
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise StreamError("the model's answer has no choices[0].message") from exc
         return strip_think(text).strip()
+
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """Streamed, so that a cancel closes the request at once and a proxy that cuts
+        quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
+        `index`, several calls in one answer) are put together as they come."""
+        client = self._require()
+        body = {
+            "model": model or self.settings.model,
+            "messages": list(messages),
+            "tools": list(tools),
+            "tool_choice": "auto",
+            "stream": True,
+        }
+        content: list[str] = []
+        calls: dict[int, list[str]] = {}  # index → [id, name, arguments]
+        try:
+            with model_errors("model", self.host):
+                response = await _post_chat(client, body, stream=True)
+                try:
+                    buffer = b""
+                    async for data in body_reader(response):
+                        buffer += data
+                        *lines, buffer = buffer.split(b"\n")
+                        for line in lines:
+                            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                                _tool_delta(line[5:].strip(), content, calls)
+                finally:
+                    await response.aclose()
+        except StreamError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, openai.APIStatusError) and _refuses_tools(cause):
+                raise ToolsUnsupported("the model does not take tools") from exc
+            raise
+        text = strip_think("".join(content)).strip()
+        return ToolTurn(text, tuple(ToolCall(*parts) for _, parts in sorted(calls.items())))
 
     async def probe(self) -> str | None:
         """Ask the model server for its models (`GET /models`): any answer but a
@@ -322,6 +407,32 @@ def body_reader(http: Any) -> AsyncIterable[bytes]:
     return cast(AsyncIterable[bytes], stream)
 
 
+def _tool_delta(payload: bytes, content: list[str], calls: dict[int, list[str]]) -> None:
+    """Add one chunk of a tool turn to its text and calls."""
+    try:
+        chunk = orjson.loads(payload)
+        delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+        if delta.get("content"):
+            content.append(delta["content"])
+        for piece in delta.get("tool_calls") or ():
+            parts = calls.setdefault(int(piece.get("index", len(calls))), ["", "", ""])
+            function = piece.get("function") or {}
+            parts[0] = piece.get("id") or parts[0]
+            parts[1] = function.get("name") or parts[1]
+            parts[2] += function.get("arguments") or ""
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise StreamError("the model sent a malformed chunk") from exc
+
+
+def _refuses_tools(exc: openai.APIStatusError) -> bool:
+    """Whether a 4xx answer is about `tools` (a model or server without tool calling:
+    "does not support tools", "tool_choice is not supported", "unknown field tools")."""
+    if exc.status_code not in (400, 404, 422, 501):
+        return False
+    detail = _status_detail(exc).lower()
+    return "tool" in detail or "function" in detail
+
+
 def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
     try:
         chunk = orjson.loads(payload)
@@ -350,6 +461,7 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
         raise StreamError("the model sent a malformed chunk") from exc
     out: list[Delta] = []
     if reasoning:
+        splitter.reasoning_apart()
         out.append(Delta("reasoning", reasoning))
     if content:
         out.extend(splitter.feed(content))
@@ -514,41 +626,81 @@ def _is_transport_error(exc: BaseException) -> bool:
 
 
 class ThinkSplitter:
-    """Splits `<think>…</think>` out of content chunks, tags cut across chunks included."""
+    """Splits `<think>…</think>` out of content chunks, tags cut across chunks included.
+
+    Some templates (DeepSeek-R1's, served by llama.cpp or vLLM) leave the opening tag
+    out: the content begins with reasoning and has a lone `</think>`. With
+    `assume_open` (a model known to do so) the content starts as reasoning; without it,
+    a lone `</think>` is taken out of the text and reported (`lone_close`) so that the
+    model's next answers are split from their start. A model that sends its reasoning
+    apart (`reasoning_content`) is not assumed anything of (`reasoning_apart`)."""
 
     OPEN, CLOSE = "<think>", "</think>"
 
-    def __init__(self) -> None:
-        self.inside = False
+    def __init__(self, *, assume_open: bool = False) -> None:
+        self.inside = assume_open
+        self.assumed = assume_open
+        self.tagged = False  # a tag was seen
+        self.lone_close = False
         self._pending = ""
+        self._assumed_text: list[str] = []
+
+    def reasoning_apart(self) -> None:
+        if self.assumed and not self.tagged and not self._assumed_text:
+            self.inside = self.assumed = False
 
     def feed(self, text: str) -> list[Delta]:
         if not self._pending and "<" not in text:  # the common case: nothing to look at
+            if self.assumed and not self.tagged:
+                self._assumed_text.append(text)
             return [Delta("reasoning" if self.inside else "content", text)]
         text = self._pending + text
         self._pending = ""
         out: list[Delta] = []
         while text:
-            tag = self.CLOSE if self.inside else self.OPEN
-            index = text.find(tag)
-            if index >= 0:
+            if self.assumed and not self.tagged and text.lstrip().startswith(self.OPEN):
+                text = text.lstrip()[len(self.OPEN) :]  # it was not left out after all
+                self.tagged = True
+                continue
+            tags = [self.CLOSE] if self.inside else [self.OPEN]
+            if not self.inside and not self.tagged:
+                tags.append(self.CLOSE)  # a lone closing tag
+            found = min(((text.find(t), t) for t in tags if t in text), default=None)
+            if found is not None:
+                index, tag = found
                 if index:
                     out.append(Delta("reasoning" if self.inside else "content", text[:index]))
-                self.inside = not self.inside
+                if tag == self.CLOSE and not self.inside:
+                    self.lone_close = True
+                else:
+                    self.inside = not self.inside
+                self.tagged = True
                 text = text[index + len(tag) :]
                 continue
-            keep = _partial_suffix(text, tag)
+            if self.assumed and not self.tagged and not self._assumed_text:
+                tags.append(self.OPEN)  # the tag may come after all, cut across chunks
+            keep = max(_partial_suffix(text, t) for t in tags)
             if keep:
                 self._pending = text[-keep:]
                 text = text[:-keep]
             if text:
+                if self.assumed and not self.tagged:
+                    self._assumed_text.append(text)
                 out.append(Delta("reasoning" if self.inside else "content", text))
             break
         return out
 
     def flush(self) -> list[Delta]:
         pending, self._pending = self._pending, ""
-        return [Delta("reasoning" if self.inside else "content", pending)] if pending else []
+        out = [Delta("reasoning" if self.inside else "content", pending)] if pending else []
+        if self.assumed and not self.tagged:
+            # no `</think>` came: what was taken for reasoning was the answer
+            out.append(Delta("content", "".join(self._assumed_text) + pending))
+        return out
+
+
+#: model names whose template is known to leave the opening `<think>` out
+OPEN_LEFT_OUT = re.compile(r"(?i)(^|[^a-z0-9])(r1|qwq)([^a-z0-9]|$)|deepseek-r1")
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -25,6 +25,9 @@ from . import api, config, logs
 from .auth import RateLimiter
 from .chat.research import DeepResearch
 from .chat.service import ChatService
+from .collections.base import open_engine
+from .collections.retrieval import Retriever
+from .collections.service import CollectionService
 from .config import Settings, auth_mode
 from .demo import DemoModel, is_demo
 from .errors import AppError
@@ -44,7 +47,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import auth_routes, openai, perplexica, sse, ws
+from .transport import auth_routes, collections, openai, perplexica, sse, ws
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
@@ -93,10 +96,29 @@ async def open_service(
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
         lease = WorkerLease(the_store, ids)
+        engine = open_engine(settings.collections.url)
+        await stack.enter_async_context(engine)
+        retriever = Retriever(settings.collections, engine=engine, embedder=embedder)
+        stack.push_async_callback(retriever.aclose)
         files = FileService(
-            settings.uploads, store=the_store, embedder=embedder, ids=ids, indexer=lease.token
+            settings.uploads,
+            store=the_store,
+            embedder=embedder,
+            ids=ids,
+            retriever=retriever,
+            indexer=lease.token,
         )
         stack.push_async_callback(files.aclose)
+        knowledge = CollectionService(
+            settings.collections,
+            settings.uploads,
+            store=the_store,
+            retriever=retriever,
+            reader=search.reader,
+            ids=ids,
+            indexer=lease.token,
+        )
+        stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
             store=the_store,
@@ -110,6 +132,7 @@ async def open_service(
                 settings.research, search=search, files=files, llm=the_llm, prompts=the_prompts
             ),
             metrics=metrics,
+            collections=knowledge,
         )
         await stack.enter_async_context(lease)
         await service.open()
@@ -160,6 +183,7 @@ def create_app(
             )
             app.state.settings = settings
             app.state.service = service
+            app.state.collections = service.collections
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.streams = set()
@@ -212,6 +236,29 @@ def create_app(
         Route("/api/admin/users/{user_id}", auth_routes.admin_change_user, methods=["PATCH"]),
         Route("/api/admin/users/{user_id}/usage", auth_routes.admin_user_usage, methods=["GET"]),
         Route("/api/admin/invites", auth_routes.admin_invite, methods=["POST"]),
+        # knowledge collections (PROTOCOL §12)
+        Route("/api/collections", collections.create, methods=["POST"]),
+        Route("/api/collections", collections.listed, methods=["GET"]),
+        Route("/api/collections/{collection_id}", collections.get, methods=["GET"]),
+        Route("/api/collections/{collection_id}", collections.update, methods=["PATCH"]),
+        Route("/api/collections/{collection_id}", collections.delete, methods=["DELETE"]),
+        Route(
+            "/api/collections/{collection_id}/documents",
+            collections.add_documents,
+            methods=["POST"],
+        ),
+        Route("/api/collections/{collection_id}/documents", collections.documents, methods=["GET"]),
+        Route(
+            "/api/collections/{collection_id}/documents/{document_id}",
+            collections.delete_document,
+            methods=["DELETE"],
+        ),
+        Route(
+            "/api/collections/{collection_id}/imports/{import_id}",
+            collections.import_progress,
+            methods=["GET"],
+        ),
+        Route("/api/collections/{collection_id}/search", collections.search, methods=["POST"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),

@@ -26,6 +26,9 @@ NAMES = (
     "wolfram_alpha_search",
     "files_response",
     "instructions",
+    "classify",
+    "researcher",
+    "planner",
 )
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 

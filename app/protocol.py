@@ -24,6 +24,7 @@ OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_FILES = 50
+MAX_COLLECTIONS = 20
 #: history roles → the model's roles (PROTOCOL §1)
 ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 MAX_JSON_DEPTH = 32
@@ -42,6 +43,8 @@ class ChatRequest:
     optimization_mode: str = "speed"
     history: tuple[tuple[str, str], ...] | None = None
     files: tuple[str, ...] = ()
+    collections: tuple[str, ...] = ()  # knowledge collections to search (PROTOCOL §12)
+    sources: tuple[str, ...] = ()  # the kinds of sources allowed (empty: the mode decides)
     instructions: str = ""  # extra instructions for the model (Perplexica's systemInstructions)
     model: str | None = None  # a configured chat model the client picked
     format: str = "default"
@@ -142,6 +145,8 @@ def parse_chat_request(
         files = []
     if not isinstance(files, list) or len(files) > MAX_FILES:
         raise BadRequest(f"files must be a list of at most {MAX_FILES} file ids")
+    collections = parse_collections(body.get("collections"))
+    sources = parse_sources(body.get("sources"))
     instructions = body.get("systemInstructions", "")
     if not isinstance(instructions, str) or len(instructions) > max_content_chars:
         raise BadRequest(
@@ -163,11 +168,36 @@ def parse_chat_request(
         optimization_mode=optimization_mode,
         history=history,
         files=tuple(dict.fromkeys(parse_id(f, "files[]") for f in files)),
+        collections=collections,
+        sources=sources,
         instructions=instructions.strip(),
         format=fmt,
         host=host,
         transport=transport,
     )
+
+
+#: the kinds of sources a request may name (PROTOCOL §1 `sources`)
+SOURCE_KINDS = ("web", "academic", "discussions", "files")
+
+
+def parse_sources(value: Any) -> tuple[str, ...]:
+    """`sources`: a list of `web`, `academic`, `discussions`, `files`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(v in SOURCE_KINDS for v in value):
+        raise BadRequest(f"sources must be a list of {', '.join(SOURCE_KINDS)}")
+    return tuple(dict.fromkeys(value))
+
+
+def parse_collections(value: Any) -> tuple[str, ...]:
+    """`collections`: a list of collection ids (whether the user may read them is the
+    service's check, also `BAD_REQUEST`)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_COLLECTIONS:
+        raise BadRequest(f"collections must be a list of at most {MAX_COLLECTIONS} collection ids")
+    return tuple(dict.fromkeys(parse_id(c, "collections[]") for c in value))
 
 
 def parse_history(
@@ -295,6 +325,8 @@ def render_simple(event: Event) -> dict[str, Any] | None:
             content = data.get("content", "")
         else:
             content = data.get("data", "")
+            if "step" in data:
+                meta["step"] = data["step"]
     elif kind == "answer":
         content = data.get("data", "")
     elif kind == "complete":

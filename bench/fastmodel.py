@@ -10,6 +10,8 @@ user message:
     #tokens=N   N content tokens (default 100)
     #rate=R     R tokens a second per stream (default: as fast as it can)
     #stamp      each token is "t<send time in ns> " (for latency measurements)
+    #tag=W      each token is "W.<i> " instead of "tok<i> " (an answer that can be told
+                from every other: bench.soak checks no text of one lands in another)
     #wait=S     seconds before the first chunk
 
 Non-streamed requests (title, rewrite) get a short fixed answer at once, and
@@ -117,6 +119,8 @@ async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:
     tokens = int(script.get("tokens") or 100)
     rate = float(script.get("rate") or 0)
     stamp = "stamp" in script
+    word = script.get("tag", "")
+    name = (lambda i: f"{word}.{i} ") if word else (lambda i: f"tok{i} ")
     writer.write(HEAD)
     if "wait" in script:
         await asyncio.sleep(float(script["wait"]))
@@ -124,7 +128,7 @@ async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:
         interval = 1.0 / rate
         start = time.monotonic()
         for i in range(tokens):
-            text = f"t{time.time_ns()} " if stamp else f"tok{i} "
+            text = f"t{time.time_ns()} " if stamp else name(i)
             writer.write(chunk(token(text)))
             await writer.drain()
             delay = start + (i + 1) * interval - time.monotonic()
@@ -132,7 +136,7 @@ async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:
                 await asyncio.sleep(delay)
     else:
         for first in range(0, tokens, BATCH):
-            payload = b"".join(token(f"tok{i} ") for i in range(first, min(first + BATCH, tokens)))
+            payload = b"".join(token(name(i)) for i in range(first, min(first + BATCH, tokens)))
             writer.write(chunk(payload))
             await writer.drain()
     writer.write(chunk(DONE) + b"0\r\n\r\n")

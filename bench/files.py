@@ -28,7 +28,9 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from app.config import EmbeddingsSettings, UploadSettings
+from app.collections.base import open_engine
+from app.collections.retrieval import Retriever
+from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
 from app.files.index import top, unit_rows
 from app.files.service import FileService
 from app.ids import Snowflake
@@ -95,7 +97,12 @@ async def retrieval(model_url: str, chunks: int, runs: int) -> dict[str, float]:
             embedder = Embedder(
                 EmbeddingsSettings(base_url=model_url + "/v1", api_key="bench", model="fast-embed")
             )
-            files = FileService(UploadSettings(), store=store, embedder=embedder, ids=ids)
+            engine = open_engine(f"tantivy:///{tmp}/collections")
+            await engine.open()
+            retriever = Retriever(CollectionSettings(), engine=engine, embedder=embedder)
+            files = FileService(
+                UploadSettings(), store=store, embedder=embedder, ids=ids, retriever=retriever
+            )
             loaded_at = time.monotonic()
             await files.passages(records, "warm the cache", 8)
             first_ms = (time.monotonic() - loaded_at) * 1000
@@ -111,6 +118,7 @@ async def retrieval(model_url: str, chunks: int, runs: int) -> dict[str, float]:
                 top(np.concatenate([m @ query for m in matrices]), 8)
                 ranking.append((time.perf_counter() - started) * 1000)
             memory = sum(m.nbytes for m in matrices) + chunks * len(text)
+            await engine.close()
             await embedder.aclose()
     return {
         "chunks": chunks,

@@ -16,6 +16,7 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,16 @@ SERVER_CORE, LOAD_CORE = "0", "1"
 # -- processes ---------------------------------------------------------------------------
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM as Ctrl-C: a bench that is stopped stops every process it started on the
+    way out (each is a context manager)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _pinned(cmd: list[str], core: str) -> list[str]:
     return (
         ["taskset", "-c", core, *cmd]
@@ -49,12 +60,16 @@ def _pinned(cmd: list[str], core: str) -> list[str]:
 
 @contextmanager
 def process(
-    cmd: list[str], port: int, env: dict[str, str] | None = None, core: str = LOAD_CORE
+    cmd: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    core: str = LOAD_CORE,
+    cwd: Path = ROOT,
 ) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
         _pinned(cmd, core),
         env={**os.environ, **(env or {})},
-        cwd=ROOT,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -78,20 +93,23 @@ def fast_model() -> Iterator[str]:
 
 
 @contextmanager
-def redis_server() -> Iterator[str]:
+def redis_server(core: str = LOAD_CORE) -> Iterator[str]:
     port = free_port()
     binary = shutil.which("redis-server") or "redis-server"
     with process(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         port,
+        core=core,
     ):
         yield f"redis://127.0.0.1:{port}/0"
 
 
 @contextmanager
 def app_server(
-    model_url: str, store_dir: str, core: str = SERVER_CORE, **env: str
+    model_url: str, store_dir: str, core: str = SERVER_CORE, root: Path = ROOT, **env: str
 ) -> Iterator[tuple[str, int]]:
+    """`python -m app` on a free port; `root` is the checkout it runs from (another
+    worktree for an older server: its `app/` and `config.toml`)."""
     port = free_port()
     settings = {
         "LLM_BASE_URL": model_url + "/v1",
@@ -104,7 +122,10 @@ def app_server(
         "APP_CONFIG": "",
         **env,
     }
-    with process([sys.executable, "-m", "app"], port, settings, core=core) as proc:
+    if root != ROOT:  # its bytecode kept out of that checkout
+        settings["PYTHONPATH"] = str(root)
+        settings.setdefault("PYTHONPYCACHEPREFIX", tempfile.gettempdir() + "/bench-pycache")
+    with process([sys.executable, "-m", "app"], port, settings, core=core, cwd=root) as proc:
         yield f"http://127.0.0.1:{port}", proc.pid
 
 

@@ -1,83 +1,205 @@
-"""Time a webSearch question spends searching, ranking and reading, per optimization mode.
+"""What a webSearch answer spends per optimization mode: model calls, searches and
+page reads, the time to the first answer token and to the end — with the fake model
+and the fake search at fixed latencies, so the figures are the server's plan, not
+the fakes' speed.
 
-    python -m bench.search_modes --questions 20
+    python -m bench.search_modes                       # this checkout
+    python -m bench.search_modes --old ../old-checkout # and an older one, interleaved
 
-Runs the server, the fake model and the fake search/reader APIs on loopback
-(all fakes answer at once, so this is the server's own overhead plus the
-round trips), and measures, per question, the time from sending the request
-to the `message ""` event that opens the answer.
+Latencies: every model call waits `--model-ms` (300) before its first byte (a
+completion, a tool round, the answer's stream), every search `--search-ms` (200),
+every page read `--read-ms` (400). Each server runs as its own `python -m app`
+process on the same fakes, configured by environment. The research agent's rounds
+are scripted in the fake model's tool calls: balanced searches two angles at once,
+then reads the two best pages at once, then is done; quality searches three angles
+at once, reads three pages at once, then is done. A server without the agent runs
+its own fixed pipeline on the same question. Figures are medians of `--questions`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
-from app.config import Settings
-from app.main import create_app
 from tests.client import SseEvent, iter_sse
 from tests.fakes.model import FakeModel
-from tests.fakes.search import RELEVANT_QUESTION, FakeSearch
-from tests.servers import serve
+from tests.fakes.search import RELEVANT_QUESTION, RESULT_COUNT, FakeSearch
+from tests.servers import ROOT, free_port, serve, wait_for_port
+
+MODES = ("speed", "balanced", "quality")
 
 
-async def one(client: httpx.AsyncClient, mode: str, i: int) -> float:
+def script(model: FakeModel, search: FakeSearch, mode: str) -> None:
+    page = f"{search.base_url}/pages/"
+    if mode == "balanced":
+        model.tool_rounds[:] = [
+            [("web_search", {"query": "falcon methane"}), ("web_search", {"query": "raptor"})],
+            [("read_url", {"urls": [page + "3", page + "1"]})],
+            [("done", {})],
+        ]
+    elif mode == "quality":
+        model.tool_rounds[:] = [
+            [("web_search", {"query": q}) for q in ("falcon methane", "raptor", "merlin")],
+            [("read_url", {"urls": [page + "3", page + "1", page + "2"]})],
+            [("done", {})],
+        ]
+    else:
+        model.tool_rounds.clear()
+
+
+async def one(
+    client: httpx.AsyncClient, model: FakeModel, search: FakeSearch, mode: str, i: int, wait: float
+) -> dict[str, float]:
+    script(model, search, mode)
+    asked, searched, read = len(model.requests), len(search.queries), len(search.pages_read)
     body = {
         "userId": "1",
         "focusMode": "webSearch",
         "optimizationMode": mode,
-        "message": {"content": f"{RELEVANT_QUESTION} {i}"},
+        # long enough for a rewrite (or the classifier) to be asked for, as most are
+        "message": {"content": f"{RELEVANT_QUESTION} in detail, question {i} #wait={wait}"},
     }
     started = time.perf_counter()
-    opened = 0.0
+    first = end = 0.0
     async with client.stream("POST", "/api/chat/sse", json=body) as response:
         async for item in iter_sse(response):
-            if isinstance(item, SseEvent) and item.type == "message" and not opened:
-                opened = time.perf_counter() - started
-    return opened
+            if not isinstance(item, SseEvent):
+                continue
+            if item.type in ("message", "reasoning") and item.data.get("data") and not first:
+                first = time.perf_counter() - started
+            if item.type in ("messageEnd", "error"):
+                end = time.perf_counter() - started
+    calls = [r for r in model.requests[asked:] if "input" not in r]  # not embeddings
+    return {
+        "calls": len(calls) - 1,  # the title is written after the end
+        "searches": len(search.queries) - searched,
+        "reads": len(search.pages_read) - read,
+        "first": first * 1000,
+        "end": end * 1000,
+    }
 
 
-async def run(url: str, questions: int) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        for mode in ("speed", "balanced", "quality"):
-            times = sorted([await one(client, mode, i) * 1000 for i in range(questions)])
-            print(
-                f"{mode:9s} search+rank+read: median {statistics.median(times):6.1f} ms   max {times[-1]:6.1f} ms   (n={questions})"
-            )
+class Target:
+    """`python -m app` from a checkout, on the shared fakes."""
+
+    def __init__(self, name: str, folder: Path, env: dict[str, str]) -> None:
+        self.name, self.folder, self.port = name, folder, free_port()
+        self.env = {**os.environ, **env, "PORT": str(self.port), "SERVER_HOST": "127.0.0.1"}
+        self.env["APP_CONFIG"] = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Target:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app"],
+            cwd=self.folder,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, timeout=30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+async def measure(
+    targets: list[Target], model: FakeModel, search: FakeSearch, questions: int, wait: float
+) -> dict[tuple[str, str], list[dict[str, float]]]:
+    found: dict[tuple[str, str], list[dict[str, float]]] = {}
+    clients = {t.name: httpx.AsyncClient(base_url=t.url, timeout=120) for t in targets}
+    try:
+        for i in range(questions):
+            for mode in MODES:
+                for target in targets:  # interleaved: the same load for each
+                    got = await one(clients[target.name], model, search, mode, i, wait)
+                    found.setdefault((target.name, mode), []).append(got)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--questions", type=int, default=5)
+    parser.add_argument("--model-ms", type=float, default=300)
+    parser.add_argument("--search-ms", type=float, default=200)
+    parser.add_argument("--read-ms", type=float, default=400)
+    parser.add_argument("--old", type=Path, help="an older checkout to compare with")
     args = parser.parse_args()
     model, search = FakeModel(), FakeSearch()
+    model.reply_delay = model.tool_delay = args.model_ms / 1000
     model.replies.insert(0, ("pick the search results", "<output>0,1,2,3,4,5</output>"))
+    search.search_delay = args.search_ms / 1000
+    search.page_delay.update({n: args.read_ms / 1000 for n in range(RESULT_COUNT)})
     with (
         serve(model.app()) as model_server,
         serve(search.app()) as search_server,
         tempfile.TemporaryDirectory() as tmp,
     ):
         search.base_url = search_server.url
-        settings = Settings().replace(
-            llm={"base_url": model_server.url + "/v1", "api_key": model.api_key, "model": "m"},
-            embeddings={
-                "base_url": model_server.url + "/v1",
-                "api_key": model.api_key,
-                "model": "e",
-            },
-            store={"url": f"sqlite:///{tmp}/bench.db"},
-            tavily={"api_key": search.api_key, "base_url": search_server.url + "/tavily"},
-            reader={"provider": "jina", "base_url": search_server.url + "/jina"},
-        )
-        with serve(create_app(settings)) as server:
-            asyncio.run(run(server.url, args.questions))
+        v1 = model_server.url + "/v1"
+
+        def env(name: str) -> dict[str, str]:
+            return {
+                "LLM_BASE_URL": v1,
+                "LLM_API_KEY": model.api_key,
+                "LLM_MODEL": "fake-chat",
+                "EMBEDDINGS_BASE_URL": v1,
+                "EMBEDDINGS_API_KEY": model.api_key,
+                "EMBEDDINGS_MODEL": "fake-embed",
+                "STORE_URL": f"sqlite:///{tmp}/{name}.db",
+                "COLLECTIONS_URL": f"tantivy:///{tmp}/{name}-collections",
+                "SEARCH_PROVIDER": "tavily",
+                "TAVILY_API_KEY": search.api_key,
+                "TAVILY_BASE_URL": search_server.url + "/tavily",
+                "READER_PROVIDER": "jina",
+                "READER_BASE_URL": search_server.url + "/jina",
+            }
+
+        folders = [("new", ROOT)] + ([("old", args.old.resolve())] if args.old else [])
+        targets = [Target(name, folder, env(name)) for name, folder in folders]
+        for target in targets:
+            target.__enter__()
+        try:
+            found = asyncio.run(
+                measure(targets, model, search, args.questions, args.model_ms / 1000)
+            )
+        finally:
+            for target in targets:
+                target.__exit__()
+    print(
+        f"model {args.model_ms:.0f} ms a call, search {args.search_ms:.0f} ms, "
+        f"read {args.read_ms:.0f} ms; medians of {args.questions} questions\n"
+    )
+    print("| server | mode | model calls | searches | reads | first token ms | end ms |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for mode in MODES:
+        for target in targets:
+            runs = found[(target.name, mode)]
+            m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            print(
+                f"| {target.name} | {mode} | {m['calls']:.0f} | {m['searches']:.0f} | "
+                f"{m['reads']:.0f} | {m['first']:.0f} | {m['end']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,11 @@ def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model.reply_delay = 0.0
     model.flaked.clear()
     model.answer_text = None
+    model.tool_rounds.clear()
+    model.tool_streams.clear()
+    model.tools_refused = model.tools_ignored = False
+    model.tool_delay = 0.0
+    model.context_limit = None
     return model
 
 
@@ -92,6 +97,7 @@ def settings(tmp_path: Path, model_url: str, fake_search: FakeSearch) -> Setting
         },
         embeddings={"base_url": model_url, "api_key": "test-key", "model": "fake-embed"},
         store={"url": f"sqlite:///{tmp_path}/chat.db"},
+        collections={"url": f"tantivy:///{tmp_path}/collections"},
         server={"keepalive_seconds": 15.0, "shutdown_grace_seconds": 2.0},
         search={"provider": "tavily", "max_results": 8, "timeout_seconds": 10.0},
         tavily={"api_key": fake_search.api_key, "base_url": base + "/tavily"},

@@ -1,9 +1,13 @@
-"""A short run of the benchmark load generator (the benchmarks themselves are `python -m bench.run`)."""
+"""Short runs of the benchmarks' load generators (the benchmarks themselves are
+`python -m bench.run`, `bench.commit`, `bench.soak`…)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,13 +32,18 @@ def fast_model():
         proc.wait(10)
 
 
-async def test_the_load_generator_runs_a_mixed_load(settings, fast_model):
-    app = create_app(
+@pytest.fixture
+def fast_app(settings, fast_model):
+    """The server (in-process, SQLite, no Redis) on the fast fake model, uncapped."""
+    return create_app(
         settings.replace(
             llm={"base_url": fast_model + "/v1"}, limits={"max_concurrent_generations": 0}
         )
     )
-    with serve(app) as server:
+
+
+async def test_the_load_generator_runs_a_mixed_load(fast_app):
+    with serve(fast_app) as server:
         results = await mixed_load(
             server.url, streams=40, tokens=60, rate=20, stamps=True, ramp_seconds=1.0
         )
@@ -43,3 +52,43 @@ async def test_the_load_generator_runs_a_mixed_load(settings, fast_model):
     assert summary["in_order"] == 1.0
     assert all(r.answer and r.answer[0].startswith("t") for r in results)
     assert 0 < summary["p50_ms"] < 1000
+
+
+async def test_the_soak_clients_follow_each_transport_and_agree_with_the_store(fast_app):
+    import httpx
+
+    from bench.soakload import Answer, Load, judge, saved_answer
+
+    with serve(fast_app) as server:
+        load = Load([SimpleNamespace(name="w1", url=server.url)], streams=3, seed=1)
+        answers = [
+            Answer(kind, str(100 + i), str(10**15 + i), f"s{i}n0", tokens=12)
+            for i, kind in enumerate(("sse", "ws", "openai"))
+        ]
+        await asyncio.gather(*(load.run(a) for a in answers))
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            saved = [await saved_answer(http, a) for a in answers]
+    assert [a.end for a in answers] == ["completed"] * 3
+    assert [judge(a, s) for a, s in zip(answers, saved, strict=True)] == [[], [], []]
+    assert saved[0]["content"] == "".join(f"s0n0.{i} " for i in range(12))
+    assert judge(answers[0], saved[1]) == ["mixed: saved", "lost"]
+
+
+async def test_the_group_commit_bench_measures_a_window(fast_app):
+    from bench.commit import carry
+
+    with serve(fast_app) as server:
+        measured = await carry(
+            server.url,
+            None,
+            10,
+            steady=2.0,
+            starts_per_second=50,
+            remote_every=0,
+            client=None,
+            pids=(os.getpid(), None, None),
+        )
+    assert measured["notes"]["complete"] == 10
+    assert measured["notes"]["in_order"]
+    assert 0 < measured["values"]["p50_ms"] < 1000
+    assert measured["values"]["tokens_per_s"] > 100

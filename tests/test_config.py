@@ -96,3 +96,17 @@ def test_a_relative_sqlite_path_is_beside_the_config_file(tmp_path):
     assert absolute.store.url == "sqlite:////srv/x.db"
     postgres = load(folder / "config.toml", env={"STORE_URL": "postgresql://db/chat"})
     assert postgres.store.url == "postgresql://db/chat"
+
+
+def test_collections_settings_nest_the_reranker_and_sit_beside_the_config_file(tmp_path):
+    text = '[collections]\nurl = "tantivy:///idx"\nrerank.url = "http://r/rerank"\n'
+    path = write(tmp_path, text + 'rerank.model = "rr"\n')
+    settings = load(path, env={"COLLECTIONS_RERANK_MODEL": "other", "COLLECTIONS_RRF_K": "10"})
+    assert settings.collections.url == f"tantivy:///{tmp_path}/idx"
+    assert settings.collections.rerank.url == "http://r/rerank"
+    assert settings.collections.rerank.model == "other"
+    assert settings.collections.rrf_k == 10
+    server = load(path, env={"COLLECTIONS_URL": "milvus://milvus:19530"})
+    assert server.collections.url == "milvus://milvus:19530"
+    with pytest.raises(SettingsError, match=r"collections.rerank"):
+        load(write(tmp_path, "[collections]\nrerank.nope = 1\n"), env={})

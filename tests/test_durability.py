@@ -26,7 +26,15 @@ from app.errors import AppError, BadRequest, Unavailable
 from app.events import Handle
 from app.main import create_app
 from app.search.web import until_deadline
-from app.store import Chat, FileRecord, Saved, StoredMessage, open_store
+from app.store import (
+    Chat,
+    CollectionRecord,
+    DocumentRecord,
+    FileRecord,
+    Saved,
+    StoredMessage,
+    open_store,
+)
 from app.store.base import mapping_errors
 from app.streams.memory import MemoryHub
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
@@ -447,6 +455,25 @@ async def test_an_upload_left_indexing_by_a_dead_process_is_marked_failed(tmp_pa
         assert status["alive"] == ("indexing", "")
         assert status["dead"][0] == status["none"][0] == "failed"
         assert "upload it again" in status["dead"][1]
+
+
+async def test_a_collection_document_left_indexing_by_a_dead_process_is_marked_failed(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path}/documents.db")
+    async with store:
+        old = time.time() - 120
+        assert await store.lease_worker("live-token", 60, 1024) >= 0
+        await store.add_collection(CollectionRecord("c1", "1", "docs", "", old))
+        for doc_id, indexer in (("dead", "dead-token"), ("alive", "live-token"), ("none", "")):
+            record = DocumentRecord(doc_id, "c1", "i1", f"{doc_id}.txt", "txt", 3, old)
+            await store.add_documents([record], indexer)
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        await keeper.sweep()
+        status = {d.id: (d.status, d.error) for d in await store.list_documents("c1")}
+        assert status["alive"] == ("indexing", "")
+        assert status["dead"][0] == status["none"][0] == "failed"
+        assert "add it again" in status["dead"][1]
 
 
 async def test_an_upload_cut_by_a_stop_is_failed_not_left_indexing(settings, tmp_path, fake_model):

@@ -87,7 +87,10 @@ async def test_a_streamed_completion_as_openai_sends_it(settings, fake_model, fa
         for c in chunks
         if c.choices
     )
-    assert content == "tok0 tok1 tok2 tok3 tok4 " and reasoning == "why0 why1 "
+    # the research steps come first, a line each, shown as thinking; then the model's own
+    steps, _, own = reasoning.rpartition("\n")
+    assert content == "tok0 tok1 tok2 tok3 tok4 " and own == "why0 why1 "
+    assert f"searching the web: {RELEVANT_QUESTION}" in steps.splitlines()
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [c.choices[0].finish_reason for c in finish] == ["stop"]
     usage = chunks[-1]

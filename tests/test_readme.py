@@ -145,7 +145,9 @@ def test_the_openai_examples_answer_with_citations(demo, tmp_path):
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "Demo answer" in done.stdout and "https://" in done.stdout  # the citations
-    completion = json.loads(sh(here(example("sh", "/v1/chat/completions"), demo)))
+    completion = json.loads(
+        sh(here(example("sh", "curl http://localhost:8080/v1/chat/completions"), demo))
+    )
     assert completion["choices"][0]["message"]["content"]
     assert completion["citations"]
 

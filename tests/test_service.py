@@ -95,14 +95,18 @@ async def test_web_search_sends_progress_and_sources_before_the_answer(
         ask(RELEVANT_QUESTION, focus_mode="webSearch", message_id="201", host="example.test")
     )
     events = await record(service, handle)
-    assert [(seq, kind) for seq, kind, _ in events[:4]] == [
+    assert [(seq, kind) for seq, kind, _ in events[:5]] == [
         (1, "progress"),
-        (2, "sources"),
-        (3, "message"),
-        (4, "reasoning"),
+        (2, "progress"),
+        (3, "sources"),
+        (4, "message"),
+        (5, "reasoning"),
     ]
-    assert events[0][2] == {"data": f"searching the web: {RELEVANT_QUESTION}"}
-    sources = events[1][2]["data"]
+    searching, found = events[0][2], events[1][2]
+    assert searching["data"] == f"searching the web: {RELEVANT_QUESTION}"
+    assert searching["step"]["kind"] == "search" and searching["step"]["status"] == "running"
+    assert found["step"] == {**searching["step"], "status": "done", "results": 8}
+    sources = events[2][2]["data"]
     assert len(sources) == 9
     link = sources[-1]["metadata"]
     assert link["title"] == "All Sources"

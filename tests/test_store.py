@@ -277,3 +277,41 @@ async def test_postgres_without_a_statement_cache_as_behind_pgbouncer(postgres_u
         assert [m.content for m in await opened.list_messages("c1")] == ["text q1", "done"]
         async with opened.pool.acquire() as connection:
             assert connection._stmt_cache.get_max_size() == 0  # asyncpg's own cache, off
+
+
+async def test_collections_their_shares_and_documents(store):
+    from dataclasses import replace
+
+    from app.store import CollectionRecord, DocumentRecord
+
+    mine = CollectionRecord("k1", "u1", "Handbooks", "all of them", 10.0, shared=("u2",))
+    await store.add_collection(mine)
+    await store.add_collection(CollectionRecord("k2", "u2", "Theirs", "", 11.0))
+    docs = [
+        DocumentRecord("d1", "k1", "i1", "a/b.md", "text", 10, 12.0),
+        DocumentRecord(
+            "d2", "k1", "i1", "c.pdf", "pdf", 20, 13.0, status="failed", error="no", code=422
+        ),
+    ]
+    await store.add_documents(docs)
+    await store.finish_document(replace(docs[0], status="ready", pages=1, chunks=4))
+    got = await store.get_collection("k1")
+    assert got == replace(mine, documents=2, chunks=4)
+    assert [c.id for c in await store.list_collections("u2")] == ["k2", "k1"]
+    assert [c.id for c in await store.list_collections("u1")] == ["k1"]
+    assert await store.list_collections("u3") == []
+    await store.update_collection(replace(mine, name="Manuals", shared=("u3", "u4")))
+    assert [c.id for c in await store.list_collections("u2")] == ["k2"]
+    assert (await store.get_collection("k1")).shared == ("u3", "u4")
+    listed = await store.list_documents("k1")
+    assert [(d.id, d.status, d.chunks, d.code) for d in listed] == [
+        ("d1", "ready", 4, 0),
+        ("d2", "failed", 0, 422),
+    ]
+    assert [d.id for d in await store.list_documents("k1", "i1")] == ["d1", "d2"]
+    assert await store.list_documents("k1", "other") == []
+    assert await store.delete_document("d2") and not await store.delete_document("d2")
+    assert (await store.get_document("d1")).title == "a/b.md"
+    assert await store.delete_collection("k1")
+    assert await store.get_collection("k1") is None and await store.get_document("d1") is None
+    assert [c.id for c in await store.list_collections("u3")] == []

@@ -14,11 +14,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 from ..chores import Chores
+from ..collections.service import CollectionSearch, with_collections
 from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
@@ -28,12 +31,20 @@ from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest
 from ..search.base import SearchResult
-from ..search.web import WebSearch, context_of, source_entries
+from ..search.web import (
+    CONTEXT_CHARS_PER_SOURCE,
+    SNIPPET_CHARS,
+    WebSearch,
+    context_of,
+    source_entries,
+)
 from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
+from .agent import Researcher, context_tokens
+from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history
 from .keeper import AnswerKeeper, steps_of
-from .modes import MODES, PLAIN_PROMPT, SourceJob
+from .modes import MODES, PLAIN_PROMPT, SourceJob, WebSources
 from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
@@ -54,6 +65,7 @@ class Services:
     prompts: Prompts
     search: WebSearch
     research: DeepResearch
+    researcher: Researcher
     files: FileService
     store: Store
     keeper: AnswerKeeper
@@ -77,6 +89,7 @@ class Generation:
         out: LogWriter,
         files: list[FileRecord] | None = None,
         regenerate: bool = False,
+        collections: CollectionSearch | None = None,
     ) -> None:
         self.services = services
         self.request = request
@@ -84,10 +97,12 @@ class Generation:
         self.new_chat = new_chat
         self.out = out
         self.files = files or []
+        self.collections = collections
         self.regenerate = regenerate
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.rewritten: str | None = None
+        self.decision: Decision | None = None
         self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
         self.prompt_chars = 0
@@ -162,12 +177,16 @@ class Generation:
             history = await stored_history(
                 svc.store, self.handle.chat_id, before=self.handle.question_id
             )
-        if len(req.content) > REWRITE_MIN_CHARS or history:
+        mode = MODES[req.focus_mode]
+        if isinstance(mode.sources, WebSources) and mode.sources.applies(req):
+            self.decision = await self._classify(mode.sources, history)
+        elif len(req.content) > REWRITE_MIN_CHARS or history:
             self.rewritten = await rewrite(svc.llm, svc.prompts, req.content, history)
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
         system = await self._system_prompt(self.rewritten or req.content)
+        history = fit_history(history, system, req.content, self._room())
         messages: list[Message] = [{"role": "system", "content": system}]
         messages.extend({"role": role, "content": text} for role, text in history)
         messages.append({"role": "user", "content": req.content})
@@ -193,6 +212,53 @@ class Generation:
             else:
                 self.out.keepalive()
 
+    async def _classify(self, sources: WebSources, history: list[tuple[str, str]]) -> Decision:
+        """Whether and where to search (PROTOCOL §3 `classify` step). A mode kept to
+        some sources (academicSearch, …) searches only there; `speed` asks the model
+        only when a rewrite would have been asked for (a long question, or a chat with
+        history), so its first token comes no later than before."""
+        svc, req = self.services, self.request
+        allowed: tuple[str, ...] = ("web",) if sources.scope is not None else SOURCE_KINDS
+        if req.sources:
+            allowed = tuple(k for k in allowed if k in req.sources) or allowed[:1]
+        if not self.files:
+            allowed = tuple(k for k in allowed if k != "files") or ("web",)
+        worth_asking = req.optimization_mode != "speed" or (
+            len(req.content) > REWRITE_MIN_CHARS or bool(history)
+        )
+        if worth_asking:
+            decision = await classify(
+                svc.llm,
+                svc.prompts,
+                req.content,
+                history,
+                allowed,
+                timeout=svc.settings.research.classify_seconds,
+            )
+        else:
+            decision = heuristic(req.content, allowed)
+        if decision.rewritten:
+            self.rewritten = decision.question
+            self.out.emit("rewrited", content=decision.question)
+        if decision.asked or decision.skip_search:
+            text = (
+                "no search needed"
+                if decision.skip_search
+                else "searching " + ", ".join(decision.sources)
+            )
+            self.out.emit(
+                "progress",
+                data=text,
+                step={"id": "classify-0", "kind": "classify", "status": "done", **decision.step()},
+            )
+        return decision
+
+    def _room(self) -> int:
+        """The characters the answer's prompt may hold: the model's window less room for
+        the answer, at about three characters a token (a cautious count)."""
+        tokens = context_tokens(self.services.settings)
+        return max(4000, (tokens - min(8192, tokens // 4)) * 3)
+
     async def _system_prompt(self, question: str) -> str:
         """The mode's prompt with the sources it found (and the request's extra
         instructions). Web results and passages of the chat's files are ranked
@@ -210,20 +276,40 @@ class Generation:
         mode = MODES[req.focus_mode]
         date = datetime.now(UTC).isoformat(timespec="seconds")
         web = mode.sources is not None and mode.sources.applies(req)
-        if not web and not self.files:
+        if self.decision is not None and self.decision.skip_search:
+            web = False
+        if not web and not self.files and self.collections is None:
             prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
             return svc.prompts.render(prompt, date=date)
         results = []
-        if web and mode.sources is not None:
-            job = SourceJob(self.out, question, req, svc.search, svc.research, self.files)
+        if web and isinstance(mode.sources, WebSources) and self.decision is not None:
+            results = await svc.researcher.find_sources(
+                self.out,
+                question,
+                req.optimization_mode,
+                kinds=self.decision.sources,
+                scope=mode.sources.scope,
+                urls=self.decision.urls,
+                files=self.files if "files" in self.decision.sources else (),
+                collections=self.collections,
+            )
+        elif web and mode.sources is not None:
+            job = SourceJob(
+                self.out, question, req, svc.search, svc.research, self.files, self.collections
+            )
             results = await mode.sources.find(job)
-        if self.files and not (mode.sources and mode.sources.reads_files):
+        own_search = mode.sources is not None and mode.sources.reads_files
+        if self.files and not own_search:
             results = await self._with_files(question, results)
+        if self.collections is not None and not own_search:
+            results = await with_collections(self.out, self.collections, question, results)
         if not results:
             self.out.emit("progress", data="answering without sources")
             return svc.prompts.render(PLAIN_PROMPT, date=date)
-        await self._send_sources(results)
         prompt = mode.prompt if web else "files_response"
+        bare = svc.prompts.render(prompt, date=date, context="")
+        results = fit_sources(results, self._room() - len(bare) - len(req.content))
+        await self._send_sources(results)
         return svc.prompts.render(prompt, date=date, context=context_of(results))
 
     async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
@@ -238,7 +324,7 @@ class Generation:
         """Save the sources on the question, then send them with the "All Sources" link.
         A store that is away does not stop the answer: they are saved with it."""
         svc, h = self.services, self.handle
-        entries = source_entries(results)
+        entries = fit_event(source_entries(results), svc.settings.stream.max_event_bytes)
         try:
             await svc.store.set_sources(h.question_id, entries)
         except Unavailable:
@@ -349,3 +435,49 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 def estimate_tokens(chars: int) -> int:
     """Tokens in so many characters of text, roughly (for a model that does not count)."""
     return (chars + 3) // 4
+
+
+def fit_sources(results: list[SearchResult], room: int) -> list[SearchResult]:
+    """The sources, in order, within `room` characters of context: each at most
+    `CONTEXT_CHARS_PER_SOURCE`; the one that does not fit is cut, and the rest left
+    out (a pasted page, first, always stays)."""
+    kept: list[SearchResult] = []
+    for r in results:
+        room -= 40  # its "source N <url>" line
+        text = r.text[:CONTEXT_CHARS_PER_SOURCE]
+        if len(text) > room:
+            if room < 200 and kept:
+                break
+            text = text[: max(room, 200)]
+        room -= len(text)
+        kept.append(r if text == r.text else replace(r, content=text))
+    return kept
+
+
+def fit_history(
+    history: list[tuple[str, str]], system: str, question: str, room: int
+) -> list[tuple[str, str]]:
+    """The latest turns that fit beside the prompt and the question."""
+    room -= len(system) + len(question)
+    kept: list[tuple[str, str]] = []
+    for role, text in reversed(history):
+        room -= len(text)
+        if room < 0:
+            break
+        kept.append((role, text))
+    return kept[::-1]
+
+
+def fit_event(entries: list[dict[str, object]], limit: int) -> list[dict[str, object]]:
+    """Sources whose event stays under `limit` bytes: passages shortened, then the last
+    sources left out (the answer's context is not affected: only what is sent)."""
+    budget = limit - 2048  # the event's other fields and the "All Sources" entry
+    size = len(orjson.dumps(entries))
+    if size <= budget:
+        return entries
+    cut = [
+        {**e, "pageContent": str(e.get("pageContent", ""))[: SNIPPET_CHARS // 2]} for e in entries
+    ]
+    while cut and len(orjson.dumps(cut)) > budget:
+        cut.pop()
+    return cut

@@ -17,6 +17,7 @@ from ..events import FOCUS_MODES
 from ..search.base import SearchScope
 
 if TYPE_CHECKING:
+    from ..collections.service import CollectionSearch
     from ..protocol import ChatRequest
     from ..search.base import SearchResult
     from ..search.web import Progress, WebSearch
@@ -34,6 +35,7 @@ class SourceJob:
     web: WebSearch
     research: DeepResearch
     files: list[FileRecord]
+    collections: CollectionSearch | None = None
 
 
 class Sources(abc.ABC):
@@ -70,13 +72,13 @@ class WebSources(Sources):
 
 
 class ResearchSources(Sources):
-    """The deepResearch loop: plan, search sub-questions (on the web and in the
-    request's files), reflect, repeat."""
+    """The deepResearch loop: plan, search sub-questions (on the web, in the request's
+    files and in its collections), reflect, repeat."""
 
     reads_files = True
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.research.find_sources(job.out, job.question, job.files)
+        return await job.research.find_sources(job.out, job.question, job.files, job.collections)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,12 @@ ACADEMIC = SearchScope(
 )
 YOUTUBE = SearchScope("YouTube", engines=("youtube",), sites=("youtube.com",))
 REDDIT = SearchScope("Reddit", engines=("reddit",), sites=("reddit.com",))
+#: the research agent's `discussion_search`: forums and Reddit
+DISCUSSIONS = SearchScope(
+    "discussions",
+    engines=("reddit",),
+    sites=("reddit.com", "news.ycombinator.com", "stackexchange.com"),
+)
 WOLFRAM_ALPHA = SearchScope("Wolfram Alpha", engines=("wolframalpha",), sites=("wolframalpha.com",))
 
 MODES: dict[str, FocusMode] = {

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..collections.service import CollectionSearch
 from ..config import ResearchSettings
 from ..errors import AppError
 from ..files.service import FileService
@@ -63,10 +64,14 @@ class DeepResearch:
         self.prompts = prompts
 
     async def find_sources(
-        self, out: Progress, question: str, files: Sequence[FileRecord] = ()
+        self,
+        out: Progress,
+        question: str,
+        files: Sequence[FileRecord] = (),
+        collections: CollectionSearch | None = None,
     ) -> list[SearchResult]:
-        """The sources of every iteration, deduplicated — web results and, with `files`,
-        their passages for each sub-question too."""
+        """The sources of every iteration, deduplicated — web results and, with `files`
+        and `collections`, their passages for each sub-question too."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.time_budget_seconds
         found: dict[str, SearchResult] = {}
@@ -82,7 +87,7 @@ class DeepResearch:
                 data=f"iteration {iteration}: searching {len(pending)} sub-question{'s' if len(pending) != 1 else ''}",
             )
             searched.extend(pending)
-            new = await self._search_all(out, iteration, pending, deadline, files)
+            new = await self._search_all(out, iteration, pending, deadline, files, collections)
             for result in new:
                 found.setdefault(_key(result), result)
             out.emit("progress", data=f"iteration {iteration}: {len(found)} sources so far")
@@ -120,9 +125,10 @@ class DeepResearch:
         questions: list[str],
         deadline: float,
         files: Sequence[FileRecord],
+        collections: CollectionSearch | None = None,
     ) -> list[SearchResult]:
-        """Every sub-question at once, on the web and in the files; what has not
-        finished by the deadline is dropped."""
+        """Every sub-question at once, on the web, in the files and in the collections
+        (`search_collection(q)`); what has not finished by the deadline is dropped."""
         prefixed = _Prefixed(out, f"iteration {iteration}: ")
         searches = [
             self.search.find_sources(prefixed, q, "quality", self.settings.pages_per_question)
@@ -131,6 +137,9 @@ class DeepResearch:
         if files:
             out.emit("progress", data=f"iteration {iteration}: searching your files")
             searches += [self._in_files(files, q) for q in questions]
+        if collections is not None:
+            out.emit("progress", data=f"iteration {iteration}: searching your collections")
+            searches += [collections(q, self.settings.pages_per_question) for q in questions]
         found = await until_deadline(searches, deadline)
         return [result for results in found if results for result in results]
 
@@ -170,4 +179,6 @@ class DeepResearch:
 
 def _key(result: SearchResult) -> str:
     """What makes two sources the same: the page, or the file's passage."""
+    if result.collection_id:
+        return f"{result.collection_id}/{result.document_id}#{result.snippet[:80]}"
     return f"{result.file_id}#{result.snippet[:80]}" if result.file_id else result.url

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from ..chores import Chores
+from ..collections.service import CollectionService
 from ..config import Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
 from ..events import Event, Handle
@@ -37,6 +38,7 @@ from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch
 from ..store import Chat, FileRecord, Store, StoredMessage, Usage
 from ..streams import LogWriter, StreamHub
+from .agent import Researcher
 from .generation import Generation, Services
 from .history import HISTORY_MESSAGES, TITLE_MAX_CHARS, format_history, stored_history
 from .keeper import AnswerKeeper
@@ -63,6 +65,7 @@ class ChatService:
         research: DeepResearch,
         files: FileService,
         metrics: Metrics,
+        collections: CollectionService | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -72,6 +75,7 @@ class ChatService:
         self.ids = ids
         self.search = search
         self.files = files
+        self.collections = collections
         self.metrics = metrics
         self.chores = Chores("chat service")
         self.keeper = AnswerKeeper(
@@ -86,6 +90,7 @@ class ChatService:
             prompts=prompts,
             search=search,
             research=research,
+            researcher=Researcher(settings, llm=llm, prompts=prompts, web=search, files=files),
             files=files,
             store=store,
             keeper=self.keeper,
@@ -140,6 +145,10 @@ class ChatService:
             known = {f.id for f in files}
             attached = (await self.store.chat_files([chat_id])).get(chat_id, [])
             files += [f for f in attached if f.id not in known and f.status == "ready"]
+        knowledge = None
+        if request.collections and self.collections is not None:
+            readable = await self.collections.usable(request.user_id, request.collections)
+            knowledge = self.collections.searcher(readable)
         handle = Handle(
             chat_id=chat_id,
             answer_id=self.ids.next_str(),
@@ -186,6 +195,7 @@ class ChatService:
             out=LogWriter(log_),
             files=files,
             regenerate=asked is not None,
+            collections=knowledge,
         )
         self._generations[handle.answer_id] = generation
         self.keeper.track(generation)

@@ -1,13 +1,14 @@
 """Your own documents: upload, index, list, delete, and the passages that answer a question.
 
 An upload is read and chunked by tokens, with the page each chunk is on, in a
-child process (`extract.py`: CPU work stays off the event loop), embedded in batches through the configured
-embeddings model (when there is one), and stored — file, chunks and vectors in
-one transaction, so a file is either ready or failed, never half there. A
-question over some files ranks their chunks by cosine similarity to the
-question's embedding, or by BM25 without an embeddings model. Each file's
-matrix (or index) is kept in memory, least recently used out, so asking about a
-300-page PDF costs about what asking about a note does.
+child process (`extract.py`: CPU work stays off the event loop), embedded in batches
+through the configured embeddings model (when there is one), put in the collections
+engine as a document of its owner's private space (`uploads-<userId>`), and stored —
+file, chunks and vectors in one transaction, so a file is either ready or failed,
+never half there. A question over some files is the collections' one retrieval path
+(`collections/retrieval.py`) kept to those files: BM25 over the statistics of all the
+owner's uploads and, with embeddings, the nearest passages, fused. An upload made
+before the engine held uploads is put in it from the store the first time it is asked.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..chores import Chores
+from ..collections.base import Passage as IndexedPassage
+from ..collections.retrieval import Retriever
 from ..config import UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
 from ..ids import Snowflake
@@ -30,28 +32,16 @@ from ..llm import Embedder
 from ..search.base import SearchResult
 from ..store import FileRecord, Store, StoredChunk
 from .extract import Extracted, extract, kind_of
-from .index import Bm25Index, bm25_scores, top, unit_rows
+from .index import Bm25Index, bm25_scores, unit_rows
 
 log = logging.getLogger("app.files")
 
-CACHE_BYTES = 512 * 1024 * 1024
 STOPPED = "the server stopped while reading this file; upload it again"
 
 
-@dataclass(slots=True)
-class Loaded:
-    """A file's chunks ready to rank: unit vectors, or a BM25 index."""
-
-    record: FileRecord
-    texts: list[str]
-    pages: list[int]
-    matrix: np.ndarray | None
-    bm25: Bm25Index | None = None
-
-    @property
-    def size(self) -> int:
-        text = sum(len(t) for t in self.texts)
-        return text + (self.matrix.nbytes if self.matrix is not None else 0)
+def uploads_space(user_id: str) -> str:
+    """The engine space of a user's uploads (collection ids are digits: no clash)."""
+    return f"uploads-{user_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +58,18 @@ class FileService:
         store: Store,
         embedder: Embedder,
         ids: Snowflake,
+        retriever: Retriever,
         indexer: str = "",
     ) -> None:
         self.settings = settings
         self.store = store
         self.embedder = embedder
         self.ids = ids
+        self.retriever = retriever
         #: this process's worker lease token, kept with the uploads it reads: one left
         #: `indexing` by a process that died is swept as `failed`
         self.indexer = indexer
-        self._cache: OrderedDict[str, Loaded] = OrderedDict()
-        self._cached_bytes = 0
+        self._in_engine: set[str] = set()  # files known to be in the engine
         self._chores = Chores("uploads")
 
     async def aclose(self) -> None:
@@ -158,6 +149,12 @@ class FileService:
             await self.store.finish_file(failed, [])
             raise
         stored = [StoredChunk(c.n, c.page, c.text, v) for c, v in zip(chunks, vectors, strict=True)]
+        try:
+            await self._put_in_engine(record, stored)
+        except AppError as exc:
+            failed = replace(record, status="failed", error=f"indexing failed: {exc.message}")
+            await self.store.finish_file(failed, [])
+            raise
         ready = replace(record, status="ready", pages=extracted.pages, chunks=len(chunks))
         await self.store.finish_file(ready, stored)
         log.info(
@@ -175,6 +172,21 @@ class FileService:
             },
         )
         return ready
+
+    async def _put_in_engine(self, record: FileRecord, chunks: Sequence[StoredChunk]) -> None:
+        """The file's chunks (with their vectors, when all have them) in its owner's space."""
+        page = record.kind == "pdf"
+        passages = [
+            IndexedPassage(record.id, c.n, c.page if page else 0, record.name, "File", c.text)
+            for c in chunks
+        ]
+        matrix = None
+        widths = {len(c.vector) for c in chunks if c.vector is not None}
+        if chunks and len(widths) == 1 and all(c.vector is not None for c in chunks):
+            raw = np.frombuffer(b"".join(c.vector or b"" for c in chunks), dtype=np.float32)
+            matrix = raw.reshape(len(chunks), -1)
+        await self.retriever.engine.add(uploads_space(record.user_id), passages, matrix)
+        self._in_engine.add(record.id)
 
     async def _embed(self, texts: list[str]) -> list[bytes]:
         out: list[bytes] = []
@@ -197,8 +209,9 @@ class FileService:
 
     async def delete(self, user_id: str, file_id: str) -> None:
         await self.owned(user_id, file_id)
+        await self.retriever.engine.delete_documents(uploads_space(user_id), [file_id])
         await self.store.delete_file(file_id)
-        self._forget(file_id)
+        self._in_engine.discard(file_id)
 
     async def usable(self, user_id: str, file_ids: Sequence[str]) -> list[FileRecord]:
         """The files a chat request names, checked: each exists, is the user's and is
@@ -216,43 +229,37 @@ class FileService:
     # -- retrieval --------------------------------------------------------------------------
 
     async def passages(self, files: Sequence[FileRecord], query: str, k: int) -> list[Passage]:
-        """The `k` passages of `files` that best answer `query`, best first."""
-        loaded = [await self._load(record) for record in files]
-        loaded = [f for f in loaded if f.texts]
-        if not loaded:
+        """The `k` passages of `files` that best answer `query`, best first (scores are
+        the fusion's: comparable among passages only)."""
+        if not files:
             return []
-        scores = await self._scores(loaded, query)
-        flat = np.concatenate(scores)
-        owners = np.concatenate([np.full(len(s), i) for i, s in enumerate(scores)])
-        offsets = np.concatenate([np.arange(len(s)) for s in scores])
-        out = []
-        for index in top(flat, k):
-            f, n = loaded[int(owners[index])], int(offsets[index])
-            if flat[index] <= 0:
-                break
-            result = SearchResult(
-                title=f.record.name,
-                url="File",
-                snippet=f.texts[n],
-                file_id=f.record.id,
-                page=f.pages[n] if f.record.kind == "pdf" else 0,
+        for record in files:
+            await self._ensure_in_engine(record)
+        spaces = sorted({uploads_space(f.user_id) for f in files})
+        hits = await self.retriever.search(spaces, query, k, documents=[f.id for f in files])
+        return [
+            Passage(
+                SearchResult(
+                    title=h.passage.title,
+                    url="File",
+                    snippet=h.passage.text,
+                    file_id=h.passage.document_id,
+                    page=h.passage.page,
+                ),
+                h.score,
             )
-            out.append(Passage(result, float(flat[index])))
-        return out
+            for h in hits
+        ]
 
-    async def _scores(self, loaded: list[Loaded], query: str) -> list[np.ndarray]:
-        if all(f.matrix is not None for f in loaded):
-            try:
-                vectors = await self.embedder.embed([query])
-            except AppError as exc:
-                log.info("query not embedded (%s): ranking passages with BM25", exc.message)
-            else:
-                q = unit_rows(vectors)[0]
-                return [f.matrix @ q for f in loaded if f.matrix is not None]
-        for f in loaded:
-            if f.bm25 is None:
-                f.bm25 = Bm25Index(f.texts)
-        return bm25_scores([f.bm25 for f in loaded if f.bm25 is not None], query)
+    async def _ensure_in_engine(self, record: FileRecord) -> None:
+        """An upload older than the engine's uploads spaces goes in once, from the store."""
+        if record.id in self._in_engine:
+            return
+        if not await self.retriever.engine.has_document(uploads_space(record.user_id), record.id):
+            chunks = await self.store.file_chunks(record.id)
+            if chunks:
+                await self._put_in_engine(record, chunks)
+        self._in_engine.add(record.id)
 
     async def rank_together(
         self, query: str, web: list[SearchResult], passages: list[Passage], limit: int
@@ -263,10 +270,11 @@ class FileService:
             return [p.result for p in passages[:limit]]
         texts = [f"{r.title}\n{r.snippet}" for r in web]
         try:
-            vectors = await self.embedder.embed([query, *texts])
-            matrix = unit_rows(vectors)
-            web_scores = (matrix[1:] @ matrix[0]).tolist()
-            file_scores = [p.score for p in passages]
+            vectors = await self.embedder.embed(
+                [query, *texts, *(p.result.snippet for p in passages)]
+            )
+            scores = (unit_rows(vectors)[1:] @ unit_rows(vectors)[0]).tolist()
+            web_scores, file_scores = scores[: len(web)], scores[len(web) :]
         except AppError:  # no embeddings model (or it failed): BM25 over all of them
             everything = texts + [p.result.snippet for p in passages]
             (scores,) = bm25_scores([Bm25Index(everything)], query)
@@ -276,29 +284,6 @@ class FileService:
             key=lambda pair: -pair[0],
         )
         return [result for _, result in ranked[:limit]]
-
-    async def _load(self, record: FileRecord) -> Loaded:
-        cached = self._cache.get(record.id)
-        if cached is not None:
-            self._cache.move_to_end(record.id)
-            return cached
-        chunks = await self.store.file_chunks(record.id)
-        matrix = None
-        if chunks and all(c.vector is not None for c in chunks):
-            raw = np.frombuffer(b"".join(c.vector or b"" for c in chunks), dtype=np.float32)
-            matrix = unit_rows(raw.reshape(len(chunks), -1))
-        loaded = Loaded(record, [c.text for c in chunks], [c.page for c in chunks], matrix)
-        self._cache[record.id] = loaded
-        self._cached_bytes += loaded.size
-        while self._cached_bytes > CACHE_BYTES and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cached_bytes -= old.size
-        return loaded
-
-    def _forget(self, file_id: str) -> None:
-        old = self._cache.pop(file_id, None)
-        if old is not None:
-            self._cached_bytes -= old.size
 
 
 def clean_name(name: str) -> str:

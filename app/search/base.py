@@ -18,7 +18,8 @@ log = logging.getLogger("app.search")
 class SearchResult:
     """One hit. `content` is the page's text once read (else empty: use `snippet`).
     A passage of an uploaded file has its `file_id` (and `page`, 1-based, in a PDF);
-    its `url` is "File", as the Perplexica UI expects of file sources."""
+    its `url` is "File", as the Perplexica UI expects of file sources. A passage of a
+    knowledge collection has its `collection_id` and `document_id` (and `page`)."""
 
     title: str
     url: str
@@ -26,6 +27,10 @@ class SearchResult:
     content: str = ""
     file_id: str = ""
     page: int = 0
+    #: a passage of a knowledge collection: its collection and document
+    collection_id: str = ""
+    document_id: str = ""
+    score: float = 0.0
 
     @property
     def text(self) -> str:

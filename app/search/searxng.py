@@ -20,6 +20,7 @@ from .base import (
     SearchScope,
     absolute,
     results_from,
+    site_query,
     text,
 )
 
@@ -53,6 +54,8 @@ class SearxngSearch(SearchProvider):
         params = {"q": query}
         if scope is not None and scope.engines:
             params["engines"] = ",".join(scope.engines)
+        elif scope is not None:  # a site named, no engine for it: `site:` in the query
+            params["q"] = site_query(query, scope)
         items = await self._results(**params)
         return results_from(items, title="title", url="url", snippet="content", provider=self.name)[
             :limit

@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import socket
 import time
+import zlib
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -225,7 +226,14 @@ class WebSearch:
         Cancelling is safe: in-flight requests are closed.
         """
         where = f" ({scope.name})" if scope else ""
-        out.emit("progress", data=f"searching the web{where}: {question}")
+        step = {
+            "id": f"search-{zlib.crc32(f'{where}{question}'.encode()):08x}",
+            "kind": "search",
+            "status": "running",
+            "query": question,
+            "provider": PROVIDER_LABELS.get(self.provider.name, self.provider.name),
+        }
+        out.emit("progress", data=f"searching the web{where}: {question}", step=step)
         budget = self.settings.search.timeout_seconds
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
@@ -235,15 +243,32 @@ class WebSearch:
                     question, self.settings.search.max_results, scope
                 )
         except TimeoutError:
-            out.emit("progress", data="web search timed out")
+            out.emit("progress", data="web search timed out", step={**step, "status": "failed"})
             return []
         except SearchError as exc:
             log.warning("search failed: %s", exc.message)
-            out.emit("progress", data=f"web search failed ({exc.message})")
+            failed = {**step, "status": "failed", "results": 0}
+            out.emit("progress", data=f"web search failed ({exc.message})", step=failed)
             return []
+        found = {**step, "status": "done", "results": len(results)}
         if not results:
-            out.emit("progress", data="web search found nothing")
+            out.emit("progress", data="web search found nothing", step=found)
             return []
+        out.emit("progress", data=f"found {len(results)} results", step=found)
+        return await self.refine(out, question, mode, results, deadline, picks)
+
+    async def refine(
+        self,
+        out: Progress,
+        question: str,
+        mode: str,
+        results: list[SearchResult],
+        deadline: float,
+        picks: int = QUALITY_PICKS,
+    ) -> list[SearchResult]:
+        """What the optimization mode does with search results: `balanced` ranks them
+        by embeddings and reads the best page, `quality` has the small model pick at
+        most `picks` and reads them all; `speed` keeps them as they are."""
         if mode == "balanced":
             try:
                 results = await rank_by_embeddings(self.embedder, question, results)
@@ -266,7 +291,7 @@ class WebSearch:
         out.emit("progress", data=f"reading {count} page{'s' if count != 1 else ''}")
         timeout = self.settings.reader.timeout_seconds
         pages = await until_deadline(
-            [self._read_one(r.url, timeout) for r in results[:count]], deadline
+            [self.read_page(r.url, timeout) for r in results[:count]], deadline
         )
         read = list(results)
         for i, page in enumerate(pages):
@@ -280,7 +305,8 @@ class WebSearch:
             )
         return read
 
-    async def _read_one(self, url: str, timeout: float) -> str:
+    async def read_page(self, url: str, timeout: float) -> str:
+        """A page's text; "" when it cannot be read in time (logged by host)."""
         try:
             async with asyncio.timeout(timeout):
                 return await self.reader.read(url)
@@ -318,7 +344,12 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
             metadata["fileId"] = r.file_id
             if r.page:
                 metadata["page"] = r.page
-        text = r.snippet if r.file_id else (r.snippet or r.content)[:SNIPPET_CHARS]
+        elif r.collection_id:
+            metadata["collectionId"] = r.collection_id
+            metadata["documentId"] = r.document_id
+            metadata["page"] = r.page
+        passage = r.file_id or r.collection_id
+        text = r.snippet if passage else (r.snippet or r.content)[:SNIPPET_CHARS]
         entries.append({"metadata": metadata, "pageContent": text})
     return entries
 
@@ -333,6 +364,6 @@ def context_of(results: list[SearchResult]) -> str:
 
 
 def cited(result: SearchResult) -> str:
-    if not result.file_id:
+    if not (result.file_id or result.collection_id):
         return result.url
     return f"{result.title}" + (f" (page {result.page})" if result.page else "")

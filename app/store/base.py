@@ -96,6 +96,70 @@ class StoredChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectionRecord:
+    """A knowledge collection (PROTOCOL §12): owned by `owner`, readable by the users in
+    `shared`. `documents` and `chunks` are counted when it is read."""
+
+    id: str
+    owner: str
+    name: str
+    description: str
+    created_at: float
+    shared: tuple[str, ...] = ()
+    documents: int = 0
+    chunks: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "description": self.description,
+            "owner": self.owner,
+            "documents": self.documents,
+            "chunks": self.chunks,
+            "createdAt": iso(self.created_at),
+            "shared": list(self.shared),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentRecord:
+    """A document of a collection: `status` is `indexing`, `ready` or `failed` (then
+    `error`, and `code` the HTTP status that says what kind of refusal it was)."""
+
+    id: str
+    collection_id: str
+    import_id: str
+    title: str
+    kind: str
+    size: int
+    created_at: float
+    url: str = ""
+    status: str = "indexing"
+    pages: int = 0
+    chunks: int = 0
+    error: str = ""
+    code: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "title": self.title,
+            "type": self.kind,
+            "url": self.url or None,
+            "size": self.size,
+            "pages": self.pages,
+            "chunks": self.chunks,
+            "status": self.status,
+            "createdAt": iso(self.created_at),
+        }
+        if self.status == "failed":
+            out["error"] = self.error
+            out["code"] = self.code
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """The tokens one answer cost, as the model counted them (or estimated, when it
     did not say)."""
@@ -281,6 +345,87 @@ def bad_invite() -> Forbidden:
 
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 FILE_COLUMNS = "id, user_id, name, kind, size, created_at, status, pages, chunks, error"
+
+
+COLLECTION_COLUMNS = "id, owner, name, description, created_at"
+DOCUMENT_COLUMNS = (
+    "id, collection_id, import_id, title, kind, size, created_at, url, status, pages, chunks,"
+    " error, code"
+)
+
+
+#: the collections' queries, written with `?` (PostgreSQL numbers them)
+COLLECTION_COUNTS = (
+    "(SELECT count(*) FROM collection_documents d WHERE d.collection_id = c.id),"
+    " (SELECT coalesce(sum(d.chunks), 0) FROM collection_documents d"
+    " WHERE d.collection_id = c.id)"
+)
+SELECT_COLLECTION = f"SELECT {COLLECTION_COLUMNS}, {COLLECTION_COUNTS} FROM collections c"
+SQL_GET_COLLECTION = f"{SELECT_COLLECTION} WHERE c.id = ?"
+SQL_LIST_COLLECTIONS = (
+    f"{SELECT_COLLECTION} WHERE c.owner = ? OR c.id IN"
+    " (SELECT collection_id FROM collection_shares WHERE user_id = ?)"
+    " ORDER BY c.created_at DESC, c.id"
+)
+SQL_SHARES = "SELECT collection_id, user_id FROM collection_shares WHERE collection_id = ANY_OF"
+SQL_ADD_DOCUMENT = (
+    f"INSERT INTO collection_documents ({DOCUMENT_COLUMNS}, indexer)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+SQL_FINISH_DOCUMENT = (
+    "UPDATE collection_documents SET status = ?, pages = ?, chunks = ?, error = ?, code = ?"
+    " WHERE id = ?"
+)
+SQL_GET_DOCUMENT = f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE id = ?"
+SQL_LIST_DOCUMENTS = (
+    f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE collection_id = ?"
+    " ORDER BY created_at, id"
+)
+SQL_IMPORT_DOCUMENTS = (
+    f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE collection_id = ?"
+    " AND import_id = ? ORDER BY created_at, id"
+)
+
+
+def finish_document_params(d: DocumentRecord) -> tuple[Any, ...]:
+    return (d.status, d.pages, d.chunks, d.error, d.code, d.id)
+
+
+def collection_from_row(
+    row: Any, shared: Sequence[str] = (), documents: int = 0, chunks: int = 0
+) -> CollectionRecord:
+    return CollectionRecord(
+        id=row[0],
+        owner=row[1],
+        name=row[2],
+        description=row[3],
+        created_at=row[4],
+        shared=tuple(shared),
+        documents=int(documents or 0),
+        chunks=int(chunks or 0),
+    )
+
+
+def document_from_row(row: Any) -> DocumentRecord:
+    return DocumentRecord(*row)
+
+
+def document_params(d: DocumentRecord) -> tuple[Any, ...]:
+    return (
+        d.id,
+        d.collection_id,
+        d.import_id,
+        d.title,
+        d.kind,
+        d.size,
+        d.created_at,
+        d.url,
+        d.status,
+        d.pages,
+        d.chunks,
+        d.error,
+        d.code,
+    )
 
 
 def file_from_row(row: Any) -> FileRecord:
@@ -603,6 +748,56 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def chat_files(self, chat_ids: list[str]) -> dict[str, list[FileRecord]]:
         """The files attached to each of the chats (chats without files left out)."""
+
+    # -- knowledge collections ------------------------------------------------------------
+    # Their passages live in the collections engine (app/collections); the store keeps
+    # what every process must agree on: names, owners, shares, documents and status.
+
+    @abc.abstractmethod
+    async def add_collection(self, record: CollectionRecord) -> None: ...
+
+    @abc.abstractmethod
+    async def get_collection(self, collection_id: str) -> CollectionRecord | None:
+        """The collection with its shares and its documents and chunks counted."""
+
+    @abc.abstractmethod
+    async def list_collections(self, user_id: str) -> list[CollectionRecord]:
+        """The user's collections and those shared with them, newest first."""
+
+    @abc.abstractmethod
+    async def update_collection(self, record: CollectionRecord) -> None:
+        """Its name, description and shares as `record` says."""
+
+    @abc.abstractmethod
+    async def delete_collection(self, collection_id: str) -> bool:
+        """The collection, its shares and its documents' records."""
+
+    @abc.abstractmethod
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
+        """New documents (status `indexing`, or `failed` when refused at once), in one
+        transaction; `indexer` is the worker lease token of the process that reads them."""
+
+    @abc.abstractmethod
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        """Mark `failed` (with `error`) the collection documents still `indexing` that
+        were added before `created_before` by a process whose worker lease has run out.
+        Returns how many."""
+
+    @abc.abstractmethod
+    async def finish_document(self, record: DocumentRecord) -> None:
+        """Set a document's status, pages, chunk count and error."""
+
+    @abc.abstractmethod
+    async def get_document(self, document_id: str) -> DocumentRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_documents(
+        self, collection_id: str, import_id: str | None = None
+    ) -> list[DocumentRecord]:
+        """A collection's documents (of one import), oldest first."""
+
+    @abc.abstractmethod
+    async def delete_document(self, document_id: str) -> bool: ...
 
     # -- token usage ----------------------------------------------------------------------
 

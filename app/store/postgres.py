@@ -20,14 +20,25 @@ from .base import (
     ACCOUNT_COLUMNS,
     API_KEY_COLUMNS,
     CHAT_COLUMNS,
+    COLLECTION_COLUMNS,
     FILE_COLUMNS,
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
+    SQL_ADD_DOCUMENT,
+    SQL_FINISH_DOCUMENT,
+    SQL_GET_COLLECTION,
+    SQL_GET_DOCUMENT,
+    SQL_IMPORT_DOCUMENTS,
+    SQL_LIST_COLLECTIONS,
+    SQL_LIST_DOCUMENTS,
+    SQL_SHARES,
     Account,
     AccountChange,
     ApiKey,
     Chat,
     Checkpoint,
+    CollectionRecord,
+    DocumentRecord,
     DriverErrors,
     FileRecord,
     Saved,
@@ -41,8 +52,12 @@ from .base import (
     api_key_from_row,
     bad_invite,
     chat_from_row,
+    collection_from_row,
+    document_from_row,
+    document_params,
     file_from_row,
     file_params,
+    finish_document_params,
     mapping_errors,
     message_from_row,
     message_params,
@@ -193,6 +208,43 @@ MIGRATIONS = (
         used_by TEXT,
         used_at DOUBLE PRECISION
     );
+    """,
+    # 8: knowledge collections (their passages are in the collections engine)
+    """
+    CREATE TABLE collections (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        name TEXT NOT NULL,
+        description TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX collections_by_owner ON collections (owner, created_at);
+    CREATE TABLE collection_shares (
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        user_id TEXT NOT NULL,
+        PRIMARY KEY (collection_id, user_id)
+    );
+    CREATE INDEX collection_shares_by_user ON collection_shares (user_id);
+    CREATE TABLE collection_documents (
+        id TEXT PRIMARY KEY,
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        import_id TEXT NOT NULL,
+        title TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        size BIGINT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        url TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL,
+        pages INTEGER NOT NULL DEFAULT 0,
+        chunks INTEGER NOT NULL DEFAULT 0,
+        error TEXT NOT NULL DEFAULT '',
+        code INTEGER NOT NULL DEFAULT 0,
+        indexer TEXT
+    );
+    CREATE INDEX collection_documents_indexing ON collection_documents (created_at)
+        WHERE status = 'indexing';
+    CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
+    CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
 )
 
@@ -772,6 +824,112 @@ class PostgresStore(Store):
             expires_at,
         )
 
+    # -- knowledge collections ------------------------------------------------------------
+
+    @mapped
+    async def add_collection(self, record: CollectionRecord) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES ($1, $2, $3, $4, $5)",
+                record.id,
+                record.owner,
+                record.name,
+                record.description,
+                record.created_at,
+            )
+            await conn.executemany(
+                "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
+                [(record.id, user) for user in record.shared],
+            )
+
+    async def _with_shares(self, rows: list[Any]) -> list[CollectionRecord]:
+        if not rows:
+            return []
+        shares: dict[str, list[str]] = {}
+        for collection_id, user in await self.pool.fetch(
+            numbered(SQL_SHARES.replace("= ANY_OF", "= ANY(?::text[])")) + " ORDER BY user_id",
+            [row[0] for row in rows],
+        ):
+            shares.setdefault(collection_id, []).append(user)
+        return [collection_from_row(tuple(r), shares.get(r[0], ()), r[5], r[6]) for r in rows]
+
+    @mapped
+    async def get_collection(self, collection_id: str) -> CollectionRecord | None:
+        rows = await self.pool.fetch(numbered(SQL_GET_COLLECTION), collection_id)
+        found = await self._with_shares(rows)
+        return found[0] if found else None
+
+    @mapped
+    async def list_collections(self, user_id: str) -> list[CollectionRecord]:
+        rows = await self.pool.fetch(numbered(SQL_LIST_COLLECTIONS), user_id, user_id)
+        return await self._with_shares(rows)
+
+    @mapped
+    async def update_collection(self, record: CollectionRecord) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "UPDATE collections SET name = $1, description = $2 WHERE id = $3",
+                record.name,
+                record.description,
+                record.id,
+            )
+            await conn.execute("DELETE FROM collection_shares WHERE collection_id = $1", record.id)
+            await conn.executemany(
+                "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
+                [(record.id, user) for user in record.shared],
+            )
+
+    @mapped
+    async def delete_collection(self, collection_id: str) -> bool:
+        # shares and documents go with it (ON DELETE CASCADE)
+        status = await self.pool.execute("DELETE FROM collections WHERE id = $1", collection_id)
+        return _one_row(status)
+
+    @mapped
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(
+                numbered(SQL_ADD_DOCUMENT),
+                [(*document_params(d), indexer or None) for d in records],
+            )
+
+    @mapped
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        status = await self.pool.execute(
+            "UPDATE collection_documents SET status = 'failed', error = $1, code = 500"
+            " WHERE status = 'indexing' AND created_at < $2 AND (indexer IS NULL OR indexer"
+            f" NOT IN (SELECT token FROM workers WHERE expires_at > {NOW}))",
+            error,
+            created_before,
+        )
+        return int(status.rsplit(" ", 1)[-1])
+
+    @mapped
+    async def finish_document(self, record: DocumentRecord) -> None:
+        await self.pool.execute(numbered(SQL_FINISH_DOCUMENT), *finish_document_params(record))
+
+    @mapped
+    async def get_document(self, document_id: str) -> DocumentRecord | None:
+        row = await self.pool.fetchrow(numbered(SQL_GET_DOCUMENT), document_id)
+        return document_from_row(tuple(row)) if row else None
+
+    @mapped
+    async def list_documents(
+        self, collection_id: str, import_id: str | None = None
+    ) -> list[DocumentRecord]:
+        if import_id is None:
+            rows = await self.pool.fetch(numbered(SQL_LIST_DOCUMENTS), collection_id)
+        else:
+            rows = await self.pool.fetch(numbered(SQL_IMPORT_DOCUMENTS), collection_id, import_id)
+        return [document_from_row(tuple(row)) for row in rows]
+
+    @mapped
+    async def delete_document(self, document_id: str) -> bool:
+        status = await self.pool.execute(
+            "DELETE FROM collection_documents WHERE id = $1", document_id
+        )
+        return _one_row(status)
+
 
 _INSERT_MESSAGE = (
     f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
@@ -821,3 +979,9 @@ def _message(row: Any) -> StoredMessage:
 def _one_row(status: str) -> bool:
     """Whether a command tag (`INSERT 0 1`, `DELETE 1`) says one row."""
     return status.endswith(" 1")
+
+
+def numbered(sql: str) -> str:
+    """`?` placeholders as PostgreSQL's `$1`, `$2`, … (the shared queries use `?`)."""
+    parts = sql.split("?")
+    return parts[0] + "".join(f"${n}{part}" for n, part in enumerate(parts[1:], start=1))

@@ -26,14 +26,25 @@ from .base import (
     ACCOUNT_COLUMNS,
     API_KEY_COLUMNS,
     CHAT_COLUMNS,
+    COLLECTION_COLUMNS,
     FILE_COLUMNS,
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
+    SQL_ADD_DOCUMENT,
+    SQL_FINISH_DOCUMENT,
+    SQL_GET_COLLECTION,
+    SQL_GET_DOCUMENT,
+    SQL_IMPORT_DOCUMENTS,
+    SQL_LIST_COLLECTIONS,
+    SQL_LIST_DOCUMENTS,
+    SQL_SHARES,
     Account,
     AccountChange,
     ApiKey,
     Chat,
     Checkpoint,
+    CollectionRecord,
+    DocumentRecord,
     DriverErrors,
     FileRecord,
     Saved,
@@ -47,8 +58,12 @@ from .base import (
     api_key_from_row,
     bad_invite,
     chat_from_row,
+    collection_from_row,
+    document_from_row,
+    document_params,
     file_from_row,
     file_params,
+    finish_document_params,
     mapping_errors,
     message_from_row,
     message_params,
@@ -213,6 +228,43 @@ MIGRATIONS = (
         used_by TEXT,
         used_at REAL
     );
+    """,
+    # 8: knowledge collections (their passages are in the collections engine)
+    """
+    CREATE TABLE collections (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        name TEXT NOT NULL,
+        description TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX collections_by_owner ON collections (owner, created_at);
+    CREATE TABLE collection_shares (
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        user_id TEXT NOT NULL,
+        PRIMARY KEY (collection_id, user_id)
+    );
+    CREATE INDEX collection_shares_by_user ON collection_shares (user_id);
+    CREATE TABLE collection_documents (
+        id TEXT PRIMARY KEY,
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        import_id TEXT NOT NULL,
+        title TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        url TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL,
+        pages INTEGER NOT NULL DEFAULT 0,
+        chunks INTEGER NOT NULL DEFAULT 0,
+        error TEXT NOT NULL DEFAULT '',
+        code INTEGER NOT NULL DEFAULT 0,
+        indexer TEXT
+    );
+    CREATE INDEX collection_documents_indexing ON collection_documents (created_at)
+        WHERE status = 'indexing';
+    CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
+    CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
 )
 
@@ -782,6 +834,108 @@ class SQLiteStore(Store):
             "INSERT INTO invites (code_hash, created_by, created_at, expires_at) VALUES (?, ?, ?, ?)",
             (code_hash, created_by, time.time(), expires_at),
         )
+
+    # -- knowledge collections ------------------------------------------------------------
+
+    @mapped
+    async def add_collection(self, record: CollectionRecord) -> None:
+        async with self._transaction() as db:
+            await db.execute(
+                f"INSERT INTO collections ({COLLECTION_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.owner,
+                    record.name,
+                    record.description,
+                    record.created_at,
+                ),
+            )
+            await db.executemany(
+                "INSERT INTO collection_shares (collection_id, user_id) VALUES (?, ?)",
+                [(record.id, user) for user in record.shared],
+            )
+
+    async def _with_shares(self, rows: list[Any]) -> list[CollectionRecord]:
+        if not rows:
+            return []
+        ids = [row[0] for row in rows]
+        marks = ", ".join("?" * len(ids))
+        shares: dict[str, list[str]] = {}
+        for collection_id, user in await self._rows(
+            SQL_SHARES.replace("= ANY_OF", f"IN ({marks})") + " ORDER BY user_id", tuple(ids)
+        ):
+            shares.setdefault(collection_id, []).append(user)
+        return [collection_from_row(r, shares.get(r[0], ()), r[5], r[6]) for r in rows]
+
+    @mapped
+    async def get_collection(self, collection_id: str) -> CollectionRecord | None:
+        found = await self._with_shares(await self._rows(SQL_GET_COLLECTION, (collection_id,)))
+        return found[0] if found else None
+
+    @mapped
+    async def list_collections(self, user_id: str) -> list[CollectionRecord]:
+        return await self._with_shares(await self._rows(SQL_LIST_COLLECTIONS, (user_id, user_id)))
+
+    @mapped
+    async def update_collection(self, record: CollectionRecord) -> None:
+        async with self._transaction() as db:
+            await db.execute(
+                "UPDATE collections SET name = ?, description = ? WHERE id = ?",
+                (record.name, record.description, record.id),
+            )
+            await db.execute("DELETE FROM collection_shares WHERE collection_id = ?", (record.id,))
+            await db.executemany(
+                "INSERT INTO collection_shares (collection_id, user_id) VALUES (?, ?)",
+                [(record.id, user) for user in record.shared],
+            )
+
+    @mapped
+    async def delete_collection(self, collection_id: str) -> bool:
+        async with self._transaction() as db:
+            for table in ("collection_documents", "collection_shares"):
+                await db.execute(f"DELETE FROM {table} WHERE collection_id = ?", (collection_id,))
+            cursor = await db.execute("DELETE FROM collections WHERE id = ?", (collection_id,))
+            return cursor.rowcount == 1
+
+    @mapped
+    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
+        async with self._transaction() as db:
+            await db.executemany(
+                SQL_ADD_DOCUMENT, [(*document_params(d), indexer or None) for d in records]
+            )
+
+    @mapped
+    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+        return await self._write(
+            "UPDATE collection_documents SET status = 'failed', error = ?, code = 500"
+            " WHERE status = 'indexing' AND created_at < ? AND (indexer IS NULL OR indexer"
+            " NOT IN (SELECT token FROM workers WHERE expires_at > ?))",
+            (error, created_before, time.time()),
+        )
+
+    @mapped
+    async def finish_document(self, record: DocumentRecord) -> None:
+        await self._write(SQL_FINISH_DOCUMENT, finish_document_params(record))
+
+    @mapped
+    async def get_document(self, document_id: str) -> DocumentRecord | None:
+        rows = await self._rows(SQL_GET_DOCUMENT, (document_id,))
+        return document_from_row(rows[0]) if rows else None
+
+    @mapped
+    async def list_documents(
+        self, collection_id: str, import_id: str | None = None
+    ) -> list[DocumentRecord]:
+        if import_id is None:
+            rows = await self._rows(SQL_LIST_DOCUMENTS, (collection_id,))
+        else:
+            rows = await self._rows(SQL_IMPORT_DOCUMENTS, (collection_id, import_id))
+        return [document_from_row(row) for row in rows]
+
+    @mapped
+    async def delete_document(self, document_id: str) -> bool:
+        count = await self._write("DELETE FROM collection_documents WHERE id = ?", (document_id,))
+        return count == 1
 
 
 async def _rollback(db: aiosqlite.Connection) -> None:

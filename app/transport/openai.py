@@ -30,7 +30,14 @@ from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, NotFound
 from ..events import FOCUS_MODES, Event, Handle
-from ..protocol import OPTIMIZATION_MODES, ChatRequest, Encoder, Events
+from ..protocol import (
+    OPTIMIZATION_MODES,
+    ChatRequest,
+    Encoder,
+    Events,
+    parse_collections,
+    parse_id,
+)
 from .http import ERROR_TYPES, client_identity, count_request, openai_error, rate_key, read_json
 from .streaming import StreamResponse
 
@@ -121,7 +128,12 @@ def parse_completion(body: Any, settings: Settings) -> ChatRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models")
     focus, _, optimization = model.partition(":")
-    if model not in model_ids() or focus not in FOCUS_MODES:
+    collections = parse_collections(body.get("collections"))
+    copilot = True
+    if focus == "collection":  # `collection:<id>`: that collection alone, no web
+        collections = (*collections, parse_id(optimization, "model's collection id"))
+        focus, optimization, copilot = "webSearch", "", False
+    elif model not in model_ids() or focus not in FOCUS_MODES:
         raise NotFound(f"the model {model!r} does not exist: see GET /v1/models")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -151,8 +163,10 @@ def parse_completion(body: Any, settings: Settings) -> ChatRequest:
         user_id="0",
         content=turns[last_user][1],
         focus_mode=focus,
+        copilot_enabled=copilot,
         optimization_mode=optimization or "speed",
         history=tuple(history),
+        collections=tuple(dict.fromkeys(collections)),
         instructions="\n\n".join(t for t in instructions if t.strip())[: limits.max_content_chars],
         transport="openai",
     )
@@ -231,6 +245,8 @@ class OpenAIEncoder(Encoder[bytes]):
                     out.append(self._chunk({"content": data["data"]}))
             elif kind == "reasoning":
                 out.append(self._chunk({"reasoning_content": data.get("data", "")}))
+            elif kind == "progress" and "step" in data:  # shown as thinking, a line a step
+                out.append(self._chunk({"reasoning_content": data.get("data", "") + "\n"}))
             elif kind == "sources":
                 self._sources = perplexity_sources(data.get("data", []))
                 self._head, self._tail = self._frame()

@@ -24,7 +24,7 @@ const $ = (selector) => document.querySelector(selector);
 const store = window.localStorage;
 
 /** Pauses between attempts to resume an answer whose connection broke (ms). */
-const BACKOFF = [300, 1000, 2000, 4000];
+const BACKOFF = [300, 1000, 2000, 4000, 8000]; // ~15 s: a restart on a busy host takes a while
 
 const FOCUS_LABELS = {
   webSearch: "Web",

@@ -18,6 +18,15 @@ message, so one test can pick it per request:
     #think         content tokens carry "<think>…</think>" cut across chunks
     #nousage       no `usage` chunk, even when `stream_options.include_usage` asks
     #nul           each content token carries a NUL character ("tok0\u0000 ")
+    #lonethink     content is "Let me think.</think>The answer." (no opening tag)
+
+A request with `tools` (the research agent's rounds) answers with streamed
+`tool_calls` deltas from `tool_rounds`: each such request takes the next round, a
+list of (name, arguments) calls (several: parallel calls); when none are left, a
+`done` call. `tools_refused` answers such requests 400 ("tools is not supported"),
+`tools_ignored` with text and no call; `tool_delay` waits before answering.
+`context_limit` (characters) answers any request whose messages are longer with
+OpenAI's 400 "maximum context length".
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
@@ -73,6 +82,12 @@ class FakeModel:
     reply_delay: float = 0.0
     flaked: set[str] = field(default_factory=set)
     answer_text: str | None = None  # when set, streamed word by word instead of "tok0 tok1 …"
+    tool_rounds: list[list[tuple[str, dict[str, Any]]]] = field(default_factory=list)
+    tools_refused: bool = False
+    tools_ignored: bool = False
+    tool_delay: float = 0.0
+    context_limit: int | None = None
+    tool_streams: list[StreamRecord] = field(default_factory=list)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -85,7 +100,8 @@ class FakeModel:
     # -- what tests look at ---------------------------------------------------------
 
     def streamed_requests(self) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r.get("stream")]
+        """The answers' streams (not the research agent's tool rounds)."""
+        return [r for r in self.requests if r.get("stream") and not r.get("tools")]
 
     def last_system_prompt(self) -> str:
         messages = self.streamed_requests()[-1]["messages"]
@@ -115,7 +131,15 @@ class FakeModel:
             return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
-        prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+        prompt = "\n".join(str(m.get("content") or "") for m in body.get("messages", []))
+        if self.context_limit is not None and len(prompt) > self.context_limit:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.context_limit // 4} tokens. "
+                f"However, your messages resulted in {len(prompt) // 4} tokens.",
+            )
+        if body.get("tools"):
+            return self._tool_answer()
         if not body.get("stream"):
             if self.reply_delay:
                 await asyncio.sleep(self.reply_delay)
@@ -140,6 +164,45 @@ class FakeModel:
         return StreamingResponse(
             self._stream(script, record, usage), media_type="text/event-stream"
         )
+
+    def tool_requests(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r.get("tools")]
+
+    def _tool_answer(self) -> Response:
+        if self.tools_refused:
+            return _error(400, "registry.ollama.ai/library/gemma3 does not support tools")
+        record = StreamRecord()
+        self.tool_streams.append(record)
+        calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
+        return StreamingResponse(self._tool_stream(calls, record), media_type="text/event-stream")
+
+    async def _tool_stream(
+        self, calls: list[tuple[str, dict[str, Any]]], record: StreamRecord
+    ) -> AsyncIterator[bytes]:
+        try:
+            yield _chunk({"role": "assistant", "content": ""})
+            if self.tool_delay:
+                await asyncio.sleep(self.tool_delay)
+            if self.tools_ignored:
+                yield _chunk({"content": "I would search for that."})
+            else:
+                for i, (name, arguments) in enumerate(calls):
+                    head = {"index": i, "id": f"call_{i}", "type": "function"}
+                    yield _chunk(
+                        {"tool_calls": [head | {"function": {"name": name, "arguments": ""}}]}
+                    )
+                    text = orjson.dumps(arguments).decode()
+                    for piece in (text[: len(text) // 2], text[len(text) // 2 :]):
+                        yield _chunk(
+                            {"tool_calls": [{"index": i, "function": {"arguments": piece}}]}
+                        )
+            yield _chunk({}, finish="tool_calls")
+            yield b"data: [DONE]\n\n"
+            record.outcome = "completed"
+        finally:
+            if record.outcome == "open":
+                record.outcome = "client_closed"
+            record.closed_at = time.monotonic()
 
     def _reply(self, prompt: str) -> str:
         for needle, reply in self.replies:
@@ -170,6 +233,8 @@ class FakeModel:
             size = int(script.get("size") or 0)
             if self.answer_text is not None:
                 pieces = re.findall(r"\S+\s*|\s+", self.answer_text)
+            elif "lonethink" in script:
+                pieces = ["Let me ", "think.</th", "ink>The ", "answer."]
             elif "think" in script:
                 pieces = think_pieces()
             elif size:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,7 @@ class FakeSearch:
     page_delay: dict[int, float] = field(default_factory=dict)
     broken_pages: set[int] = field(default_factory=set)
     queries: list[tuple[str, str]] = field(default_factory=list)  # (provider, query)
+    searched_at: list[float] = field(default_factory=list)  # when each search came in
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
     base_url: str = ""
@@ -103,6 +105,7 @@ class FakeSearch:
         self.page_delay.clear()
         self.broken_pages.clear()
         self.queries.clear()
+        self.searched_at.clear()
         self.requests.clear()
         self.pages_read.clear()
 
@@ -135,6 +138,7 @@ class FakeSearch:
 
     async def _searched(self, provider: str, query: str) -> Response | None:
         self.queries.append((provider, query))
+        self.searched_at.append(time.monotonic())
         if self.search_delay:
             await asyncio.sleep(self.search_delay)
         if self.fail:

@@ -1,0 +1,57 @@
+"""Admin commands of the collections engine, with the server's settings (config.toml
+and the environment, as `python -m app` reads them):
+
+    python -m app.collections reembed [SPACE ...]   embed every passage again with
+                                                    embeddings.model (all spaces: every
+                                                    collection and every user's uploads)
+    python -m app.collections spaces                list the engine's spaces
+
+Run `reembed` after changing the embeddings model; searches go on meanwhile (a space
+being rewritten answers from BM25 alone for that moment). With several server
+processes on the embedded engine, run it while they are stopped or idle: the engine
+has one writer per space at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from .. import config
+from ..llm import Embedder
+from .base import open_engine
+from .retrieval import reembed
+
+
+async def run(settings: config.Settings, command: str, spaces: Sequence[str]) -> str:
+    """Run one command; what it prints."""
+    async with open_engine(settings.collections.url) as engine:
+        if command == "spaces":
+            return "\n".join(await engine.spaces())
+        embedder = Embedder(settings.embeddings)
+        try:
+            chosen = list(spaces) or await engine.spaces()
+            count = await reembed(engine, embedder, chosen, settings.uploads.embed_batch)
+        finally:
+            await embedder.aclose()
+        model = settings.embeddings.model or "none (BM25 alone)"
+        return f"re-embedded {count} passages in {len(chosen)} spaces with {model}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.collections",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["reembed", "spaces"])
+    parser.add_argument("spaces", nargs="*", help="collection ids or uploads-<userId>")
+    args = parser.parse_args(argv)
+    print(asyncio.run(run(config.load(), args.command, args.spaces)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

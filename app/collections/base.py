@@ -1,0 +1,162 @@
+"""The collections engine interface: passages in, ranked passages out.
+
+A *space* is one collection's index (named by the collection's id): BM25 statistics
+(document frequencies, average length) are those of the whole space, so a term that
+is rare in the collection weighs more than a common one, whichever document it is in.
+Engines are chosen by URL (`open_engine`) and hide behind this one interface; the
+collection service (`service.py`) fuses their two rankings and owns everything else.
+
+Every method may block on disk or network, so engines run their work in threads
+(`asyncio.to_thread`): the event loop, and the streams it serves, never wait on an
+index. Errors of an engine's driver leave it as `EngineError` (503 to a client).
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import Unavailable
+
+#: what BM25 counts as a term: runs of letters and digits, lower-cased (the tokeniser of
+#: the embedded engine, and of the bench's reference BM25)
+TERM = re.compile(r"[^\W_]+")
+MAX_TERM_CHARS = 40
+
+
+def terms(text: str) -> list[str]:
+    """The BM25 terms of `text`, in order (repeats kept)."""
+    return [t for t in TERM.findall(text.lower()) if len(t) <= MAX_TERM_CHARS]
+
+
+class EngineError(Unavailable):
+    """The collections engine failed or cannot be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class Passage:
+    """A chunk of a document as it is indexed; `n` numbers it within the document."""
+
+    document_id: str
+    n: int
+    page: int
+    title: str
+    url: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A ranked passage of a space; `score` is the engine's (BM25, or cosine)."""
+
+    space: str
+    passage: Passage
+    score: float
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.space, self.passage.document_id, self.passage.n)
+
+
+class Engine(abc.ABC):
+    """A search engine holding spaces of passages. `open`/`close` (or `async with`)
+    bracket its use; every other method needs it open."""
+
+    async def open(self) -> None:  # noqa: B027 - optional for engines without setup
+        """Connect, or open the files."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release what `open` took; safe to call twice."""
+
+    async def __aenter__(self) -> Engine:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def add(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None = None
+    ) -> None:
+        """Index `passages` (with their embeddings, one row each, when given): all of
+        them become searchable together, or — when this raises — none."""
+
+    @abc.abstractmethod
+    async def delete_documents(self, space: str, document_ids: Sequence[str]) -> None:
+        """Remove every passage of these documents (unknown ones are no error)."""
+
+    @abc.abstractmethod
+    async def drop(self, space: str) -> None:
+        """Remove the whole space (an unknown one is no error)."""
+
+    @abc.abstractmethod
+    async def lexical(
+        self, space: str, query: str, limit: int, documents: Sequence[str] | None = None
+    ) -> list[Hit]:
+        """The `limit` best passages by BM25 over the space's statistics, best first;
+        with `documents`, only passages of those documents (statistics unchanged)."""
+
+    @abc.abstractmethod
+    async def nearest(
+        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
+    ) -> list[Hit]:
+        """The `limit` passages whose embeddings are nearest `vector` (cosine), best
+        first; [] for a space without embeddings."""
+
+    @abc.abstractmethod
+    async def passages(self, space: str) -> list[Passage]:
+        """Every passage of the space, by document and number (for re-embedding)."""
+
+    @abc.abstractmethod
+    async def has_vectors(self, space: str) -> bool:
+        """Whether the space's passages have embeddings."""
+
+    @abc.abstractmethod
+    async def has_document(self, space: str, document_id: str) -> bool:
+        """Whether any passage of the document is in the space."""
+
+    @abc.abstractmethod
+    async def spaces(self) -> list[str]:
+        """Every space with passages in it, sorted."""
+
+
+def open_engine(url: str) -> Engine:
+    """`tantivy:////abs/folder` (embedded, the default), `milvus:////abs/file.db` (Milvus
+    Lite) or `milvus://host:19530` (a Milvus server or cluster; `?token=…&db=…`).
+    Drivers are imported lazily. Raises ValueError for another scheme."""
+    scheme = url.partition(":")[0].lower()
+    if scheme == "tantivy":
+        from .tantivy_engine import TantivyEngine
+
+        return TantivyEngine(url)
+    if scheme in ("milvus", "milvus+https"):
+        from .milvus_engine import MilvusEngine
+
+        return MilvusEngine(url)
+    raise ValueError(
+        f"unsupported collections URL {url!r}: use tantivy:///folder, milvus:///file.db"
+        " or milvus://host:19530"
+    )
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (zero rows stay zero), as float32."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if vectors.ndim == 1:
+        vectors = vectors[None, :]
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    out: np.ndarray = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
+    return out
+
+
+def url_path(url: str) -> str:
+    """`scheme:///rel` → `rel`; `scheme:////abs` → `/abs`."""
+    _, sep, rest = url.partition(":///")
+    if not sep or not rest:
+        raise ValueError(f"collections URL {url!r} names no path")
+    return rest

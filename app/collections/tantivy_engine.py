@@ -1,0 +1,436 @@
+"""The embedded engine: Tantivy (a Lucene-like search library, in-process) for BM25,
+and the passages with their embeddings in a SQLite file beside it, ranked by cosine
+with numpy over a matrix kept in memory per space.
+
+    <folder>/passages.db        space, document, n → page, title, url, text, vector
+    <folder>/<space>/           one Tantivy index per space (its own BM25 statistics)
+
+Tantivy scores with BM25 (k1 = 1.2, b = 0.75, Lucene's idf) and answers top-k with
+block-max WAND, so a query of common words does not score every passage (measured in
+`bench/collections.py`). A space's index has one writer at a time: writers of this
+process queue on a lock, another process's writer is waited for (Tantivy's lock file).
+Readers see a commit at once in this process and within a moment in others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tantivy
+
+from .base import Engine, EngineError, Hit, Passage, terms, unit, url_path
+
+WRITER_HEAP_BYTES = 64 * 1024 * 1024
+WRITER_WAIT_SECONDS = 30.0
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS passages (
+    space TEXT NOT NULL,
+    document_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    page INTEGER NOT NULL,
+    title TEXT NOT NULL,
+    url TEXT NOT NULL,
+    text TEXT NOT NULL,
+    vector BLOB,
+    PRIMARY KEY (space, document_id, n)
+);
+CREATE TABLE IF NOT EXISTS versions (space TEXT PRIMARY KEY, version INTEGER NOT NULL);
+"""
+
+
+def _schema() -> tantivy.Schema:
+    builder = tantivy.SchemaBuilder()
+    builder.add_text_field("doc", stored=True, tokenizer_name="raw")
+    builder.add_integer_field("n", stored=True, indexed=False)
+    builder.add_text_field("text", stored=False, tokenizer_name="default")
+    return builder.build()
+
+
+#: from this many passages on, the nearest are found in two steps (see `_Vectors`)
+QUANTIZE_ROWS = 20_000
+RESCORE_PER_RESULT = 10
+
+
+@dataclass
+class _Vectors:
+    """A space's embeddings as unit rows, and which passage each row is.
+
+    A large space also keeps one bit per dimension (the sign of the row minus the
+    space's mean row): its nearest passages are the best by cosine among the
+    `RESCORE_PER_RESULT` × limit whose bits differ least from the query's. Reading
+    100k rows of 384 floats takes ~90 ms on one core here (memory bandwidth); their
+    bits are 32 times less to read."""
+
+    version: int
+    keys: list[tuple[str, int]] = field(default_factory=list)
+    matrix: np.ndarray | None = None
+    mean: np.ndarray | None = None
+    codes: np.ndarray | None = None
+
+    def quantize(self) -> None:
+        if self.matrix is None or len(self.matrix) < QUANTIZE_ROWS:
+            return
+        self.mean = self.matrix.mean(axis=0)
+        self.codes = _bits(self.matrix - self.mean)
+
+    def scores(self, query: np.ndarray, limit: int, mask: np.ndarray | None) -> np.ndarray:
+        """Every row's cosine with `query` (-inf where `mask` is False); in a large
+        space -inf too for the rows that were not candidates."""
+        assert self.matrix is not None
+        if self.codes is None or self.mean is None:
+            exact: np.ndarray = self.matrix @ query
+            return np.where(mask, exact, -np.inf) if mask is not None else exact
+        distance = np.bitwise_count(self.codes ^ _bits(query - self.mean)).sum(
+            axis=1, dtype=np.uint32
+        )
+        if mask is not None:
+            distance = np.where(mask, distance, np.iinfo(np.uint32).max)
+        wanted = min(len(distance), RESCORE_PER_RESULT * limit)
+        rows = (
+            np.argpartition(distance, wanted - 1)[:wanted]
+            if wanted < len(distance)
+            else np.arange(len(distance))
+        )
+        scores = np.full(len(self.matrix), -np.inf, dtype=np.float32)
+        scores[rows] = self.matrix[rows] @ query
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        return scores
+
+
+def _bits(rows: np.ndarray) -> np.ndarray:
+    """Signs as packed bits (a view of 64-bit words when the width allows)."""
+    packed = np.packbits(rows > 0, axis=-1)
+    return packed.view(np.uint64) if packed.shape[-1] % 8 == 0 else packed
+
+
+class TantivyEngine(Engine):
+    def __init__(self, url: str) -> None:
+        self.folder = Path(url_path(url))
+        self.schema = _schema()
+        self._indexes: dict[str, tantivy.Index] = {}
+        self._writing: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # the maps above, and the SQLite connection
+        self._vectors: dict[str, _Vectors] = {}
+        self._db: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self._open)
+
+    def _open(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(
+                self.folder / "passages.db", check_same_thread=False, isolation_level=None
+            )
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA busy_timeout=10000")
+            db.executescript(SCHEMA_SQL)
+        except (OSError, sqlite3.Error) as exc:
+            raise EngineError(f"the collections folder cannot be opened: {exc}") from exc
+        self._db = db
+
+    async def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._indexes.clear()
+            self._vectors.clear()
+
+    # -- the parts ----------------------------------------------------------------------
+
+    def _sql(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        if self._db is None:
+            raise EngineError("the collections engine is closed")
+        with self._lock:
+            try:
+                return self._db.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                raise EngineError(f"the collections engine failed: {exc}") from exc
+
+    def _index(self, space: str, create: bool) -> tantivy.Index | None:
+        with self._lock:
+            index = self._indexes.get(space)
+            if index is not None:
+                return index
+            folder = self.folder / _safe(space)
+            if not folder.exists():
+                if not create:
+                    return None
+                folder.mkdir(parents=True)
+            try:
+                index = tantivy.Index(self.schema, path=str(folder), reuse=True)
+            except ValueError as exc:
+                raise EngineError(f"the index of {space} cannot be opened: {exc}") from exc
+            self._indexes[space] = index
+            self._writing.setdefault(space, threading.Lock())
+            return index
+
+    def _writer(self, index: tantivy.Index) -> tantivy.IndexWriter:
+        """A writer, waiting while another process holds the space's lock."""
+        deadline = time.monotonic() + WRITER_WAIT_SECONDS
+        while True:
+            try:
+                return index.writer(heap_size=WRITER_HEAP_BYTES, num_threads=1)
+            except ValueError as exc:
+                if "Lock" not in str(exc) or time.monotonic() > deadline:
+                    raise EngineError(f"the index cannot be written: {exc}") from exc
+                time.sleep(0.05)
+
+    def _write(self, space: str, change: Any) -> None:
+        """Run `change(writer)` and commit, with the space's writer lock held."""
+        index = self._index(space, create=True)
+        assert index is not None
+        with self._writing[space]:
+            writer = self._writer(index)
+            try:
+                change(writer)
+                writer.commit()
+            except BaseException:
+                writer.rollback()
+                raise
+            finally:
+                writer.wait_merging_threads()  # consumes the writer: its lock is let go
+            index.reload()
+
+    def _bump(self, db_sql: list[tuple[str, Sequence[Any]]], space: str) -> None:
+        """Run statements and move the space's version on, in one transaction."""
+        if self._db is None:
+            raise EngineError("the collections engine is closed")
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, params in db_sql:
+                        if params and isinstance(params[0], tuple):
+                            self._db.executemany(sql, params)
+                        else:
+                            self._db.execute(sql, params)
+                    self._db.execute(
+                        "INSERT INTO versions (space, version) VALUES (?, 1) ON CONFLICT (space)"
+                        " DO UPDATE SET version = version + 1",
+                        (space,),
+                    )
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise EngineError(f"the collections engine failed: {exc}") from exc
+
+    # -- the interface ------------------------------------------------------------------
+
+    async def add(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None = None
+    ) -> None:
+        await asyncio.to_thread(self._add, space, list(passages), vectors)
+
+    def _add(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None:
+        if not passages:
+            return
+        blobs: list[bytes | None] = (
+            [np.asarray(row, dtype=np.float32).tobytes() for row in vectors]
+            if vectors is not None
+            else [None] * len(passages)
+        )
+        rows = tuple(
+            (space, p.document_id, p.n, p.page, p.title, p.url, p.text, blob)
+            for p, blob in zip(passages, blobs, strict=True)
+        )
+        insert = "INSERT OR REPLACE INTO passages VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+        self._bump([(insert, rows)], space)
+
+        def change(writer: tantivy.IndexWriter) -> None:
+            for document_id in {p.document_id for p in passages}:
+                writer.delete_documents_by_term("doc", document_id)
+            for p in passages:
+                writer.add_document(tantivy.Document(doc=p.document_id, n=p.n, text=p.text))
+
+        try:
+            self._write(space, change)
+        except BaseException:
+            ids = sorted({p.document_id for p in passages})
+            self._forget(space, ids)
+            raise
+
+    def _forget(self, space: str, document_ids: Sequence[str]) -> None:
+        marks = ", ".join("?" * len(document_ids))
+        self._bump(
+            [
+                (
+                    f"DELETE FROM passages WHERE space = ? AND document_id IN ({marks})",
+                    (space, *document_ids),
+                )
+            ],
+            space,
+        )
+
+    async def delete_documents(self, space: str, document_ids: Sequence[str]) -> None:
+        await asyncio.to_thread(self._delete, space, list(document_ids))
+
+    def _delete(self, space: str, document_ids: list[str]) -> None:
+        if not document_ids or self._index(space, create=False) is None:
+            return
+
+        def change(writer: tantivy.IndexWriter) -> None:
+            for document_id in document_ids:
+                writer.delete_documents_by_term("doc", document_id)
+
+        self._write(space, change)
+        self._forget(space, document_ids)
+
+    async def drop(self, space: str) -> None:
+        await asyncio.to_thread(self._drop, space)
+
+    def _drop(self, space: str) -> None:
+        with self._lock:
+            self._indexes.pop(space, None)
+            self._vectors.pop(space, None)
+        self._bump([("DELETE FROM passages WHERE space = ?", (space,))], space)
+        shutil.rmtree(self.folder / _safe(space), ignore_errors=True)
+
+    async def lexical(
+        self, space: str, query: str, limit: int, documents: Sequence[str] | None = None
+    ) -> list[Hit]:
+        return await asyncio.to_thread(self._lexical, space, query, limit, documents)
+
+    def _lexical(
+        self, space: str, query: str, limit: int, documents: Sequence[str] | None
+    ) -> list[Hit]:
+        index = self._index(space, create=False)
+        words = list(dict.fromkeys(terms(query)))
+        if index is None or not words or documents == []:
+            return []
+        Query, Occur = tantivy.Query, tantivy.Occur
+        text = Query.boolean_query(
+            [(Occur.Should, Query.term_query(self.schema, "text", w)) for w in words]
+        )
+        if documents is not None:
+            only = Query.const_score_query(
+                Query.term_set_query(self.schema, "doc", list(documents)), 0.0
+            )
+            text = Query.boolean_query([(Occur.Must, text), (Occur.Must, only)])
+        searcher = index.searcher()
+        found = searcher.search(text, limit).hits
+        keys = []
+        for score, address in found:
+            stored = searcher.doc(address)
+            keys.append((stored["doc"][0], int(stored["n"][0]), float(score)))
+        return self._hits(space, keys)
+
+    def _hits(self, space: str, keys: list[tuple[str, int, float]]) -> list[Hit]:
+        """The passages of these (document, n, score), in the same order (one lookup of
+        the primary key each: an OR of them all makes SQLite scan the space)."""
+        if self._db is None:
+            raise EngineError("the collections engine is closed")
+        out = []
+        with self._lock:
+            try:
+                for document_id, n, score in keys:
+                    row = self._db.execute(
+                        "SELECT document_id, n, page, title, url, text FROM passages"
+                        " WHERE space = ? AND document_id = ? AND n = ?",
+                        (space, document_id, n),
+                    ).fetchone()
+                    if row is not None:
+                        out.append(Hit(space, Passage(*row), score))
+            except sqlite3.Error as exc:
+                raise EngineError(f"the collections engine failed: {exc}") from exc
+        return out
+
+    async def nearest(
+        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
+    ) -> list[Hit]:
+        return await asyncio.to_thread(self._nearest, space, vector, limit, documents)
+
+    def _nearest(
+        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None
+    ) -> list[Hit]:
+        cached = self._matrix(space)
+        if cached.matrix is None or documents == []:
+            return []
+        query = unit(vector)[0]
+        if query.shape[0] != cached.matrix.shape[1]:
+            return []  # embedded by another model: `python -m app.collections reembed`
+        mask = None
+        if documents is not None:
+            wanted = set(documents)
+            mask = np.fromiter((k[0] in wanted for k in cached.keys), bool, len(cached.keys))
+        scores = cached.scores(query, limit, mask)
+        k = min(limit, len(scores))
+        best = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+        best = best[np.argsort(-scores[best], kind="stable")]
+        keys = [
+            (*cached.keys[i], float(scores[i])) for i in best.tolist() if np.isfinite(scores[i])
+        ]
+        return self._hits(space, keys)
+
+    def _matrix(self, space: str) -> _Vectors:
+        """The space's embeddings, read again when another write moved its version on."""
+        rows = self._sql("SELECT version FROM versions WHERE space = ?", (space,))
+        version = rows[0][0] if rows else 0
+        cached = self._vectors.get(space)
+        if cached is not None and cached.version == version:
+            return cached
+        found = self._sql(
+            "SELECT document_id, n, vector FROM passages WHERE space = ? AND vector IS NOT NULL"
+            " ORDER BY document_id, n",
+            (space,),
+        )
+        fresh = _Vectors(version)
+        if found:
+            width = {len(r[2]) for r in found}
+            if len(width) == 1:
+                fresh.keys = [(r[0], r[1]) for r in found]
+                raw = np.frombuffer(b"".join(r[2] for r in found), dtype=np.float32)
+                fresh.matrix = unit(raw.reshape(len(found), -1))
+                fresh.quantize()
+        self._vectors[space] = fresh
+        return fresh
+
+    async def passages(self, space: str) -> list[Passage]:
+        rows = await asyncio.to_thread(
+            self._sql,
+            "SELECT document_id, n, page, title, url, text FROM passages WHERE space = ?"
+            " ORDER BY document_id, n",
+            (space,),
+        )
+        return [Passage(*r) for r in rows]
+
+    async def has_vectors(self, space: str) -> bool:
+        rows = await asyncio.to_thread(
+            self._sql,
+            "SELECT 1 FROM passages WHERE space = ? AND vector IS NOT NULL LIMIT 1",
+            (space,),
+        )
+        return bool(rows)
+
+    async def has_document(self, space: str, document_id: str) -> bool:
+        rows = await asyncio.to_thread(
+            self._sql,
+            "SELECT 1 FROM passages WHERE space = ? AND document_id = ? LIMIT 1",
+            (space, document_id),
+        )
+        return bool(rows)
+
+    async def spaces(self) -> list[str]:
+        rows = await asyncio.to_thread(
+            self._sql, "SELECT DISTINCT space FROM passages ORDER BY space"
+        )
+        return [r[0] for r in rows]
+
+
+def _safe(space: str) -> str:
+    """A space's folder name: ids are letters, digits, '_' and '-' already (anything
+    else is replaced, so no name reaches outside the folder)."""
+    return "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in space) or "_"

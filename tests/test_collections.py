@@ -1,0 +1,547 @@
+"""Knowledge collections through the real server (uvicorn, the embedded engine for real,
+the fake model with its embeddings, the fake search and reader): import a zipped folder
+tree of generated documents with known answers, ask it over SSE, WebSocket, /v1 and in
+deepResearch, share it, refuse every kind of bad input by name, cancel a search."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import stat
+import time
+import zipfile
+
+import httpx
+import orjson
+import pytest
+from fpdf import FPDF
+from httpx_ws import aconnect_ws
+
+from app.collections.base import Hit, Passage
+from app.collections.retrieval import fuse
+from app.config import RerankSettings
+from app.main import create_app
+from bench.corpus import generate
+from tests.client import chat_body, iter_sse, sse_chat, wait_for
+from tests.conftest import USER
+from tests.fakes.rerank import FakeRerank
+from tests.servers import serve
+
+pytestmark = pytest.mark.anyio
+
+DOCUMENTS, QUESTIONS = generate(300, pages=2, words_per_page=120)
+
+
+def zip_of(files: dict[str, bytes], *, symlinks: dict[str, str] | None = None) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        for name, target in (symlinks or {}).items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            archive.writestr(info, target)
+    return out.getvalue()
+
+
+def pdf_of(text: str, password: str | None = None) -> bytes:
+    pdf = FPDF()
+    if password:
+        pdf.set_encryption(owner_password="owner", user_password=password)
+    pdf.set_font("Helvetica", size=12)
+    pdf.add_page()
+    pdf.multi_cell(0, 8, text)
+    return bytes(pdf.output())
+
+
+@pytest.fixture
+def server(settings):
+    """The server ranking by BM25 alone: the fake embeddings hash words into 64 buckets,
+    so their ranking is noise (the fusion with real vectors is tested on its own)."""
+    with serve(create_app(settings.replace(embeddings={"model": ""}))) as running:
+        yield running
+
+
+@pytest.fixture
+async def http(server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as client:
+        yield client
+
+
+async def create(http, name="handbooks", user="1"):
+    response = await http.post("/api/collections", json={"name": name, "userId": user})
+    assert response.status_code == 201, response.text
+    return response.json()["collection"]
+
+
+async def finished(http, collection_id, import_id, user="1", timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        progress = (
+            await http.get(
+                f"/api/collections/{collection_id}/imports/{import_id}", params={"userId": user}
+            )
+        ).json()
+        if progress["done"] == progress["total"]:
+            return progress
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"import {import_id} did not finish: {progress}")
+
+
+async def add(http, collection_id, files, user="1"):
+    """POST files (name → bytes) and wait for the import to end; its progress."""
+    response = await http.post(
+        f"/api/collections/{collection_id}/documents",
+        files=[("files", (name, data)) for name, data in files.items()],
+        params={"userId": user},
+    )
+    assert response.status_code == 202, response.text
+    return response.json(), await finished(http, collection_id, response.json()["import"]["id"])
+
+
+async def search(http, collection_id, query, limit=10, user="1"):
+    response = await http.post(
+        f"/api/collections/{collection_id}/search",
+        json={"query": query, "limit": limit, "userId": user},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+@pytest.fixture
+async def corpus(http):
+    """A collection of the 300 generated documents, imported as one zipped folder tree."""
+    collection = await create(http)
+    archive = zip_of({d.title: d.text.encode() for d in DOCUMENTS})
+    answer, progress = await add(http, collection["id"], {"reports.zip": archive})
+    assert answer["import"]["documents"] == len(DOCUMENTS)
+    assert progress == {"done": len(DOCUMENTS), "total": len(DOCUMENTS), "failed": []}
+    return collection
+
+
+async def test_a_zipped_folder_tree_becomes_documents_titled_by_their_paths_and_answers(
+    http, corpus
+):
+    listed = (await http.get(f"/api/collections/{corpus['id']}/documents")).json()["documents"]
+    assert sorted(d["title"] for d in listed) == sorted(d.title for d in DOCUMENTS)
+    assert {d["status"] for d in listed} == {"ready"}
+    assert all(d["chunks"] >= 1 for d in listed)
+    got = (await http.get(f"/api/collections/{corpus['id']}")).json()["collection"]
+    assert got["documents"] == 300 and got["chunks"] == sum(d["chunks"] for d in listed)
+    by_title = {d["id"]: d["title"] for d in listed}
+    hits = 0
+    for question in QUESTIONS[:40]:
+        results = await search(http, corpus["id"], question.text)
+        titles = [by_title[r["metadata"]["documentId"]] for r in results]
+        hits += DOCUMENTS[question.answer].title in titles[:3]
+        assert results[0]["metadata"]["collectionId"] == corpus["id"]
+    assert hits >= 38  # known answers among the first three
+
+
+async def test_a_rare_term_outranks_a_common_one_across_documents(http):
+    """Per-file statistics judge a term's rarity inside one file, where every term of a
+    one-file corpus is equally rare: the document that repeats the common word wins.
+    Corpus statistics know that 'turbine' is everywhere and 'zephyrine' in one place."""
+    collection = await create(http)
+    files = {
+        f"common-{i}.txt": f"Turbine maintenance notes {i}. The turbine was checked.".encode()
+        for i in range(30)
+    }
+    files["repeats.txt"] = b"turbine turbine turbine turbine turbine turbine turbine blades."
+    files["rare.txt"] = b"The zephyrine coating was applied to one blade in March."
+    await add(http, collection["id"], files)
+    results = await search(http, collection["id"], "turbine zephyrine")
+    assert results[0]["metadata"]["title"] == "rare.txt"
+
+
+async def test_dense_vectors_find_what_bm25_cannot_and_are_fused(settings, fake_model):
+    """The fake embeddings hash words by the sum of their letters, so an anagram is the
+    same vector: 'silent' is found by 'listen' only through the vectors."""
+    for embeddings in ("fake-embed", ""):
+        app = create_app(settings.replace(embeddings={"model": embeddings}))
+        with serve(app) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+                collection = await create(h)
+                await add(
+                    h,
+                    collection["id"],
+                    {"quiet.txt": b"A silent room.", "loud.txt": b"A noisy hall of drums."},
+                )
+                titles = [
+                    r["metadata"]["title"] for r in await search(h, collection["id"], "listen")
+                ]
+        assert titles[:1] == (["quiet.txt"] if embeddings else [])
+
+
+async def _count(items: list[object], at_least: int) -> bool:
+    return len(items) >= at_least
+
+
+def hit(document: str, n: int = 0) -> Hit:
+    return Hit("c", Passage(document, n, 1, document, "", document), 1.0)
+
+
+def test_reciprocal_rank_fusion_prefers_what_both_rankings_agree_on():
+    lexical = [hit("a"), hit("b"), hit("c")]
+    dense = [hit("d"), hit("b"), hit("a")]
+    fused = [h.passage.document_id for h in fuse([lexical, dense], k=60)]
+    assert fused[:2] == ["b", "a"] or fused[:2] == ["a", "b"]
+    assert set(fused[:2]) == {"a", "b"} and set(fused[2:]) == {"c", "d"}
+    assert fuse([lexical, dense])[0].score == pytest.approx(1 / 61 + 1 / 63)
+    weighted = fuse([lexical, dense], k=60, weights=[1.0, 0.0])
+    assert [h.passage.document_id for h in weighted][:3] == ["a", "b", "c"]
+
+
+async def test_sharing_is_read_only_and_other_users_see_nothing(http, fake_model):
+    collection = await create(http)
+    cid = collection["id"]
+    await add(http, cid, {"notes.txt": b"The vault code is MARMALADE."})
+    as_two = {"userId": "2"}
+    assert (await http.get(f"/api/collections/{cid}", params=as_two)).status_code == 404
+    assert (await http.get("/api/collections", params=as_two)).json()["collections"] == []
+    refused = await http.post(
+        "/api/collections/" + cid + "/search", json={"query": "vault", "userId": "2"}
+    )
+    assert refused.status_code == 404
+    body = chat_body("vault code?", userId="2", collections=[cid], copilotEnabled=False)
+    asked = await http.post("/api/chat/sse", json=body)
+    assert asked.status_code == 400 and cid in asked.json()["data"]
+
+    shared = await http.patch(f"/api/collections/{cid}", json={"shared": ["2"], "name": "Vault"})
+    assert shared.json()["collection"]["shared"] == ["2"]
+    assert shared.json()["collection"]["name"] == "Vault"
+    listed = (await http.get("/api/collections", params=as_two)).json()["collections"]
+    assert [c["id"] for c in listed] == [cid]
+    assert (await search(http, cid, "vault code", user="2"))[0]["pageContent"].endswith(
+        "MARMALADE."
+    )
+    events = await sse_chat(http, body)
+    assert events[-1].type == "messageEnd"
+    for method, path in (
+        ("PATCH", f"/api/collections/{cid}"),
+        ("DELETE", f"/api/collections/{cid}"),
+        ("POST", f"/api/collections/{cid}/documents"),
+    ):
+        answer = await http.request(
+            method, path, params=as_two, json={"name": "mine", "urls": ["https://a.example"]}
+        )
+        assert answer.status_code == 403, (method, path)
+    document = (await http.get(f"/api/collections/{cid}/documents", params=as_two)).json()
+    doc_id = document["documents"][0]["id"]
+    gone = await http.delete(f"/api/collections/{cid}/documents/{doc_id}", params=as_two)
+    assert gone.status_code == 403
+    assert (await http.get(f"/api/collections/{cid}", params={"userId": "3"})).status_code == 404
+
+    assert (await http.delete(f"/api/collections/{cid}/documents/{doc_id}")).status_code == 200
+    assert await search(http, cid, "vault code") == []
+    assert (await http.delete(f"/api/collections/{cid}")).status_code == 200
+    assert (await http.get(f"/api/collections/{cid}")).status_code == 404
+
+
+async def test_every_bad_input_is_refused_by_name_and_the_rest_goes_on(http):
+    collection = await create(http)
+    bomb = b"\0" * (30 * 1024 * 1024)
+    archive = zip_of(
+        {
+            "docs/good.md": b"# Good\nThe ferry leaves at PELICAN o'clock.",
+            "docs/bomb.txt": bomb,
+            "../escape.txt": b"out of the folder",
+            "docs/virus.exe": b"MZ",
+        },
+        symlinks={"docs/link.txt": "/etc/passwd"},
+    )
+    files = {
+        "tree.zip": archive,
+        "empty.txt": b"",
+        "locked.pdf": pdf_of("The secret is OSPREY.", password="pw"),
+        "fine.txt": b"The harbour opens at dawn.",
+    }
+    answer, progress = await add(http, collection["id"], files)
+    failed = {f["name"]: f for f in progress["failed"]}
+    assert failed.keys() == {
+        "docs/bomb.txt",
+        "tree.zip/../escape.txt",
+        "docs/virus.exe",
+        "docs/link.txt",
+        "empty.txt",
+        "locked.pdf",
+    }
+    assert (
+        failed["docs/bomb.txt"]["status"] == 413 and "zip bomb" in failed["docs/bomb.txt"]["error"]
+    )
+    assert failed["tree.zip/../escape.txt"]["status"] == 400
+    assert failed["docs/virus.exe"]["status"] == 415
+    assert failed["docs/link.txt"]["status"] == 400 and "link" in failed["docs/link.txt"]["error"]
+    assert failed["empty.txt"]["status"] == 400 and "empty" in failed["empty.txt"]["error"]
+    assert failed["locked.pdf"]["status"] == 422 and "encrypted" in failed["locked.pdf"]["error"]
+    listed = (await http.get(f"/api/collections/{collection['id']}/documents")).json()["documents"]
+    ready = sorted(d["title"] for d in listed if d["status"] == "ready")
+    assert ready == ["docs/good.md", "fine.txt"]
+    assert all(d["chunks"] == 0 for d in listed if d["status"] == "failed")
+    assert (await search(http, collection["id"], "PELICAN"))[0]["metadata"][
+        "title"
+    ] == "docs/good.md"
+    assert await search(http, collection["id"], "OSPREY secret passwd folder") == []
+
+    # alone, a bad file is a 4xx that names it, and nothing is recorded
+    alone = await http.post(
+        f"/api/collections/{collection['id']}/documents", files={"files": ("virus.exe", b"MZ")}
+    )
+    assert alone.status_code == 415 and "virus.exe" in alone.json()["data"]
+    assert len(
+        (await http.get(f"/api/collections/{collection['id']}/documents")).json()["documents"]
+    ) == len(listed)
+
+
+async def test_limits_per_collection_and_per_import(settings, fake_model):
+    limited = settings.replace(collections={"max_documents": 3, "max_import_bytes": 1000})
+    with serve(create_app(limited)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as http:
+            collection = await create(http)
+            files = {f"n{i}.txt": f"note {i}".encode() for i in range(5)}
+            _, progress = await add(http, collection["id"], files)
+            assert sorted(f["status"] for f in progress["failed"]) == [413, 413]
+            big = await http.post(
+                f"/api/collections/{collection['id']}/documents",
+                files={"files": ("big.txt", b"x" * 5000)},
+            )
+            assert big.status_code == 413
+
+
+async def test_import_progress_streams_until_done(http):
+    collection = await create(http)
+    files = {f"part-{i}.txt": f"Section {i} of the manual.".encode() for i in range(12)}
+    response = await http.post(
+        f"/api/collections/{collection['id']}/documents",
+        files=[("files", (n, d)) for n, d in files.items()],
+    )
+    import_id = response.json()["import"]["id"]
+    url = f"/api/collections/{collection['id']}/imports/{import_id}"
+    async with http.stream("GET", url, params={"stream": "true"}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        seen = [e.data async for e in iter_sse(stream) if not isinstance(e, str)]
+    assert seen[-1] == {"done": 12, "total": 12, "failed": []}
+    assert [s["done"] for s in seen] == sorted(s["done"] for s in seen)
+
+
+async def test_urls_are_read_by_the_reader(http, fake_search):
+    collection = await create(http)
+    response = await http.post(
+        f"/api/collections/{collection['id']}/documents",
+        json={"urls": ["https://example.com/pages/1", "https://example.com/broken", "ftp://nope"]},
+    )
+    assert response.status_code == 202
+    progress = await finished(http, collection["id"], response.json()["import"]["id"])
+    failed = {f["name"]: f["status"] for f in progress["failed"]}
+    assert failed.keys() == {"ftp://nope", "https://example.com/broken"}
+    assert failed["ftp://nope"] == 400 and 400 <= failed["https://example.com/broken"] < 600
+    listed = (await http.get(f"/api/collections/{collection['id']}/documents")).json()["documents"]
+    page = next(d for d in listed if d["status"] == "ready")
+    assert page["url"] == "https://example.com/pages/1" and page["chunks"] >= 1
+    results = await search(http, collection["id"], "FULLTEXT")
+    assert results and results[0]["metadata"]["url"] == "https://example.com/pages/1"
+    assert "FULLTEXT-1" in results[0]["pageContent"]
+
+
+def facts_prompt(fake_model) -> str:
+    return fake_model.last_system_prompt()
+
+
+async def test_a_collection_is_asked_over_sse_websocket_v1_and_deep_research(
+    http, server, corpus, fake_model, fake_search
+):
+    question = QUESTIONS[17]
+    expected = DOCUMENTS[17]
+    body = chat_body(
+        question.text, focusMode="webSearch", copilotEnabled=False, collections=[corpus["id"]]
+    )
+
+    events = await sse_chat(http, body)
+    sources = next(e for e in events if e.type == "sources").data["data"][:-1]
+    assert sources[0]["metadata"]["title"] == expected.title
+    assert set(sources[0]["metadata"]) == {"title", "url", "collectionId", "documentId", "page"}
+    assert sources[0]["metadata"]["collectionId"] == corpus["id"]
+    assert expected.value in facts_prompt(fake_model)
+    assert fake_search.queries == []  # alone: no web search
+
+    async with aconnect_ws(server.ws_url + "/api/chat/ws", httpx.AsyncClient(timeout=10)) as ws:
+        await ws.receive_text()
+        await ws.send_text(orjson.dumps(body).decode())
+        frames = []
+        while not frames or frames[-1]["type"] not in ("messageEnd", "error"):
+            frames.append(orjson.loads(await ws.receive_text()))
+    ws_sources = next(f for f in frames if f["type"] == "sources")["data"]
+    assert ws_sources[0]["metadata"]["title"] == expected.title
+
+    for model, extra in (
+        (f"collection:{corpus['id']}", {}),
+        ("webSearch", {"collections": [corpus["id"]]}),
+    ):
+        fake_search.queries.clear()
+        completion = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": question.text}],
+                "user": "1",  # with auth off, OpenAI's `user` names the caller
+                **extra,
+            },
+        )
+        assert completion.status_code == 200, completion.text
+        assert expected.value in facts_prompt(fake_model), model
+        results = completion.json()["search_results"]
+        assert expected.title in [r["title"] for r in results], model
+        assert bool(fake_search.queries) == (model == "webSearch")  # beside the web
+    unknown = await http.post(
+        "/v1/chat/completions",
+        json={"model": "collection:nope", "messages": [{"role": "user", "content": "q"}]},
+    )
+    assert unknown.status_code == 400
+
+    fake_model.replies[:0] = [
+        (
+            "plan web research",
+            f"{DOCUMENTS[3].attribute} of {DOCUMENTS[3].entity}\n{question.text}",
+        ),
+        ("review web research", "stop"),
+    ]
+    events = await sse_chat(
+        http, chat_body("write a report", focusMode="deepResearch", collections=[corpus["id"]])
+    )
+    steps = [e.data["data"] for e in events if e.type == "progress"]
+    assert "iteration 1: searching your collections" in steps
+    assert "iteration 1: enough found; writing the report" in steps
+    sources = next(e for e in events if e.type == "sources").data["data"]
+    titles = {s["metadata"]["title"] for s in sources if s["metadata"].get("collectionId")}
+    assert {expected.title, DOCUMENTS[3].title} <= titles
+    assert any(not s["metadata"].get("collectionId") for s in sources[:-1])  # and the web
+    report = facts_prompt(fake_model)
+    assert expected.value in report and DOCUMENTS[3].value in report
+
+
+async def test_unknown_collection_in_a_chat_request_is_a_bad_request(http):
+    for collections in (["404"], "not-a-list", ["bad id!"]):
+        body = chat_body("q", collections=collections)
+        answer = await http.post("/api/chat/sse", json=body)
+        assert answer.status_code == 400 and answer.json()["key"] == "BAD_REQUEST"
+
+
+async def test_a_reranker_reorders_and_cancel_stops_a_slow_search(settings, fake_model):
+    rerank = FakeRerank()
+    with serve(rerank.app()) as fake:
+        reranked = settings.replace(
+            collections={"rerank": RerankSettings(url=fake.url + "/rerank", model="rr-1")}
+        )
+        with serve(create_app(reranked)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as http:
+                collection = await create(http)
+                await add(
+                    http,
+                    collection["id"],
+                    {
+                        "a.txt": b"Harbour harbour harbour schedule.",
+                        "b.txt": b"The harbour schedule was reranked.",
+                    },
+                )
+                results = await search(http, collection["id"], "harbour")
+                assert results[0]["metadata"]["title"] == "b.txt"
+                assert rerank.requests[-1]["model"] == "rr-1"
+
+                rerank.delay = 30.0
+                body = chat_body(
+                    "harbour?",
+                    chatId="c77",
+                    copilotEnabled=False,
+                    focusMode="webSearch",
+                    collections=[collection["id"]],
+                )
+                started = time.monotonic()
+                async with http.stream("POST", "/api/chat/sse", json=body) as response:
+                    lines = []
+                    async for line in response.aiter_lines():
+                        lines.append(line)
+                        if "searching your collections" in line:
+                            await wait_for(lambda: _count(rerank.requests, 2))
+                            cancel = await http.post(
+                                "/api/chat/cancel", json={"chatId": "c77", "userId": "1"}
+                            )
+                            assert cancel.status_code == 200
+                assert time.monotonic() - started < 5
+                rerank.delay = 0.0
+                assert '"status":"cancelled"' in lines[-2]
+                assert fake_model.streamed_requests() == []  # never reached the model
+
+
+async def test_reembedding_is_one_admin_command(settings, fake_model):
+    """Imported without an embeddings model, a collection ranks by BM25 alone; once the
+    model is configured, `python -m app.collections reembed` gives it vectors."""
+    from app.collections.__main__ import run
+
+    plain = settings.replace(embeddings={"model": ""})
+    with serve(create_app(plain)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            collection = await create(h)
+            await add(h, collection["id"], {"quiet.txt": b"A silent room."})
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            assert await search(h, collection["id"], "listen") == []  # no vectors yet
+    said = await run(settings, "reembed", [])
+    assert said == "re-embedded 1 passages in 1 spaces with fake-embed"
+    assert await run(settings, "spaces", []) == collection["id"]
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            found = await search(h, collection["id"], "listen")
+    assert [r["metadata"]["title"] for r in found] == ["quiet.txt"]
+
+
+def test_the_admin_command_runs_from_the_shell(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    env = {"COLLECTIONS_URL": f"tantivy:///{tmp_path}/c", "APP_CONFIG": "", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "app.collections", "reembed"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "re-embedded 0 passages in 0 spaces" in done.stdout
+
+
+async def test_uploads_are_documents_of_their_owners_space_in_the_same_engine(
+    settings, fake_model, tmp_path
+):
+    """`files` in a chat request ride the same retrieval path; an upload made before
+    the engine held uploads (its chunks only in the store) is put in it when asked."""
+    import shutil
+
+    from app.collections.__main__ import run
+
+    def ask(file_id):
+        return chat_body(
+            "when does the ferry leave?",
+            files=[file_id],
+            focusMode="webSearch",
+            copilotEnabled=False,
+        )
+
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            uploaded = await h.post(
+                "/api/uploads", files={"files": ("ferry.txt", b"The ferry leaves at PELICAN.")}
+            )
+            file_id = uploaded.json()["files"][0]["fileId"]
+    assert await run(settings, "spaces", []) == "uploads-1"
+    shutil.rmtree(tmp_path / "collections")  # as before uploads were in the engine
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
+            events = await sse_chat(h, ask(file_id))
+    sources = next(e for e in events if e.type == "sources").data["data"]
+    assert sources[0]["metadata"] == {"title": "ferry.txt", "url": "File", "fileId": file_id}
+    assert "PELICAN" in sources[0]["pageContent"]
+    assert await run(settings, "spaces", []) == "uploads-1"
