@@ -158,9 +158,9 @@ async def test_a_claim_is_refused_while_redis_recovers(client):
 async def test_one_process_leads_a_chore_until_its_lock_expires(client):
     a = Claims(client, "p1", handle_ttl_ms=2000, keep_ms=60_000)
     b = Claims(client, "p2", handle_ttl_ms=2000, keep_ms=60_000)
-    assert await a.lead("sweeper", ttl=0.3)
-    assert not await b.lead("sweeper", ttl=0.3)
-    assert await a.lead("sweeper", ttl=0.3)  # extended
-    await asyncio.sleep(0.4)
-    assert await b.lead("sweeper", ttl=0.3)  # a stopped extending it
-    assert not await a.lead("sweeper", ttl=0.3)
+    assert await a.lead("sweeper", ttl=1.5)
+    assert not await b.lead("sweeper", ttl=1.5)
+    assert await a.lead("sweeper", ttl=1.5)  # extended
+    await asyncio.sleep(1.7)
+    assert await b.lead("sweeper", ttl=1.5)  # a stopped extending it
+    assert not await a.lead("sweeper", ttl=1.5)
