@@ -196,6 +196,8 @@ class StoreSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = field(default="", repr=False)  # it may hold a password
+    #: `url` names a node of a Redis Cluster (any one: the others are discovered)
+    cluster: bool = False
     #: the longest one call may take (connecting, or an answer): a Redis that stops
     #: answering fails like one that refuses
     timeout_seconds: float = 2.0

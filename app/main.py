@@ -168,6 +168,7 @@ def create_app(
                 settings.redis.url,
                 timeout=settings.redis.timeout_seconds,
                 max_connections=settings.redis.max_connections,
+                cluster=settings.redis.cluster,
             )
             if redis is not None:
                 stack.push_async_callback(redis.aclose)
