@@ -46,7 +46,7 @@ from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import open_hub, open_redis
-from .transport import auth_routes, collections, openai, perplexica, sse, ws
+from .transport import auth_routes, collections, openai, perplexica, responses, sse, ws
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
@@ -264,6 +264,10 @@ def create_app(
         # any OpenAI client (PROTOCOL §10)
         Route("/v1/models", openai.models, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

@@ -13,12 +13,14 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date, datetime
 from typing import Any, Generic, TypeVar
 
 import orjson
 
 from .errors import AppError, BadRequest
 from .events import FOCUS_MODES, Event, Handle
+from .search.base import CONTEXT_SIZES, RECENCY, SearchFilters
 
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
@@ -28,6 +30,10 @@ MAX_COLLECTIONS = 20
 #: history roles → the model's roles (PROTOCOL §1)
 ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 MAX_JSON_DEPTH = 32
+MAX_DOMAINS = 20
+_DOMAIN = re.compile(
+    r"(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +57,9 @@ class ChatRequest:
     host: str = ""  # the Host the request came to (for links), set by the transport
     transport: str = ""  # "sse" or "ws", for logs and metrics only
     cap_key: str = ""  # whom the concurrency cap counts: the key's user, else the address
+    search: SearchFilters | None = None  # what web search is kept to (`search`)
+    images: bool = False  # find images for the answer too (Perplexity's `return_images`)
+    related: bool = False  # suggest follow-up questions (`return_related_questions`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +162,7 @@ def parse_chat_request(
             f"systemInstructions must be a string of at most {max_content_chars} characters"
         )
     history = parse_history(body.get("history"), max_history_messages, max_content_chars)
+    search = parse_search(body.get("search"))
     if history and history[-1] == ("user", content):
         history = history[:-1]  # the question itself, as the Perplexica UI sends it
 
@@ -174,7 +184,56 @@ def parse_chat_request(
         format=fmt,
         host=host,
         transport=transport,
+        search=search,
     )
+
+
+def parse_search(value: Any, name: str = "search") -> SearchFilters | None:
+    """The `search` controls (PROTOCOL §1): `domains` (a leading `-` excludes one),
+    `recency`, `after` / `before` (YYYY-MM-DD; Perplexity's M/D/YYYY too) and
+    `contextSize`; None when absent or empty. `BadRequest` names the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be an object")
+    domains = value.get("domains") or []
+    if not isinstance(domains, list) or len(domains) > MAX_DOMAINS:
+        raise BadRequest(f"{name}.domains must be a list of at most {MAX_DOMAINS} domains")
+    include: list[str] = []
+    exclude: list[str] = []
+    for item in domains:
+        domain = item.strip().lower() if isinstance(item, str) else ""
+        into = exclude if domain.startswith("-") else include
+        domain = domain.lstrip("-").split("://")[-1].split("/")[0].removeprefix("www.")
+        if not _DOMAIN.fullmatch(domain):
+            raise BadRequest(f"{name}.domains: {item!r} is not a domain such as 'arxiv.org'")
+        into.append(domain)
+    recency = value.get("recency") or ""
+    if recency and recency not in RECENCY:
+        raise BadRequest(f"{name}.recency must be one of {', '.join(RECENCY)}")
+    size = value.get("contextSize") or ""
+    if size and size not in CONTEXT_SIZES:
+        raise BadRequest(f"{name}.contextSize must be one of {', '.join(CONTEXT_SIZES)}")
+    after = _day(value.get("after"), f"{name}.after")
+    before = _day(value.get("before"), f"{name}.before")
+    if after and before and after > before:
+        raise BadRequest(f"{name}.after is later than {name}.before")
+    filters = SearchFilters(
+        tuple(dict.fromkeys(include)), tuple(dict.fromkeys(exclude)), recency, after, before, size
+    )
+    return filters if filters != SearchFilters() else None
+
+
+def _day(value: Any, name: str) -> date | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, str):
+        for form in ("%Y-%m-%d", "%m/%d/%Y"):
+            try:
+                return datetime.strptime(value.strip(), form).date()
+            except ValueError:
+                pass
+    raise BadRequest(f"{name} must be a date, YYYY-MM-DD (or M/D/YYYY)")
 
 
 #: the kinds of sources a request may name (PROTOCOL §1 `sources`)

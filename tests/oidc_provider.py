@@ -4,19 +4,15 @@ installed into a cache by scripts/oidc_provider.sh and run on a loopback port.""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from app.config import Settings
 from app.main import create_app
-from tests.servers import ROOT, ServerThread, free_port, wait_for_port
+from tests.servers import ROOT, ServerThread, free_port, npm_packages, wait_for_port
 
 CLIENT_ID = "searchchat-test"
 CLIENT_SECRET = "a client secret for the tests only"
@@ -24,21 +20,9 @@ LOGIN, PASSWORD = "alice", "wonderland-password"
 SUB, EMAIL, NAME = "alice-sub", "alice@example.test", "Alice Liddell"
 
 
-@functools.cache
 def provider_home() -> str:
     """Where oidc-provider is installed (installed on first use)."""
-    if shutil.which("node") is None and shutil.which("apt-get") is None:
-        pytest.fail("node is not installed: run `bash scripts/test.sh`")
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "oidc_provider.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"scripts/oidc_provider.sh failed:\n{done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1]
+    return npm_packages("oidc_provider.sh")
 
 
 class OidcProvider:

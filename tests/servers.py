@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,6 +119,24 @@ def serve(app: Any, host: str = "127.0.0.1", **config: Any) -> Iterator[ServerTh
         yield server
     finally:
         server.stop()
+
+
+@functools.cache
+def npm_packages(script: str) -> str:
+    """Where the npm packages a `scripts/<script>` installs into its cache are (installed
+    on first use; the script prints the directory last)."""
+    if shutil.which("node") is None and shutil.which("apt-get") is None:
+        pytest.fail("node is not installed: run `bash scripts/test.sh`")
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/{script} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def free_port() -> int:

@@ -520,6 +520,24 @@ def test_settings_are_kept_across_reloads(page, fake_model):
     assert page.locator(".media .videos").inner_text() == "No videos found for this question."
 
 
+def test_the_search_filters_in_the_settings_reach_the_search(page, fake_model, fake_search):
+    fake_search.extra[:] = [{"title": "Pins", "url": "https://pinterest.com/p", "snippet": "p"}]
+    page.click("#open-settings")
+    page.fill("#set-domains", "-pinterest.com, arxiv.org")
+    page.select_option("#set-recency", "week")
+    page.click("#settings .primary")
+    page.reload()
+    page.click("#open-settings")
+    assert page.input_value("#set-domains") == "-pinterest.com, arxiv.org"
+    assert page.input_value("#set-recency") == "week"
+    page.keyboard.press("Escape")
+    ask(page, RELEVANT_QUESTION)
+    wait_state(page, "completed")
+    (_, asked), *_ = fake_search.requests
+    assert asked["exclude_domains"] == ["pinterest.com"] and asked["time_range"] == "week"
+    assert asked["include_domains"] == ["arxiv.org"]
+
+
 # ---- errors and what the answer went through ------------------------------------------------------------
 
 

@@ -253,3 +253,56 @@ async def test_killed_process_leaves_no_handle_and_resume_ends_cleanly(pair, fak
         ) as response:
             events = await rest(iter_sse(response))
         assert events[-1].data["status"] == "completed"
+
+
+async def _responses_events(http, url, after=None):
+    params = {"stream": "true"} | ({"starting_after": str(after)} if after is not None else {})
+    events = []
+    async with http.stream("GET", url, params=params) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(orjson.loads(line[6:]))
+    return events
+
+
+async def test_a_background_response_is_followed_from_another_process_without_a_gap(
+    pair, fake_model
+):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=10) as http:
+        body = {"model": "deepSeek", "input": "long #tokens=60 #delay=0.01", "background": True}
+        made = (await http.post(a.url + "/v1/responses", json=body)).json()
+        assert made["status"] in ("queued", "in_progress")
+        on_a = f"{a.url}/v1/responses/{made['id']}"
+        head = []
+        async with http.stream("GET", on_a, params={"stream": "true"}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    head.append(orjson.loads(line[6:]))
+                    if len(head) == 12:
+                        break
+        tail = await _responses_events(http, f"{b.url}/v1/responses/{made['id']}", after=11)
+        done = (await http.get(f"{b.url}/v1/responses/{made['id']}")).json()
+    events = head + tail
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "".join(f"tok{i} " for i in range(60))
+    assert done["status"] == "completed" and done["output"][-1]["content"][0]["text"] == text
+
+
+async def test_cancel_on_another_process_stops_a_background_response(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=15) as http:
+        body = {"model": "deepSeek", "input": "long #tokens=2000 #delay=0.01", "background": True}
+        made = (await http.post(a.url + "/v1/responses", json=body)).json()
+
+        async def started():
+            return fake_model.streams and fake_model.streams[-1].tokens_sent > 3
+
+        await wait_for(started)
+        cancelled = await http.post(f"{b.url}/v1/responses/{made['id']}/cancel")
+        record = await fake_model.wait_stream_end()
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert record.outcome == "client_closed" and record.tokens_sent < 2000

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import ROOT, AppProcess
+from tests.servers import ROOT, AppProcess, npm_packages
 from tests.test_files import make_pdf
 
 README = (ROOT / "README.md").read_text()
@@ -141,7 +141,7 @@ def test_the_python_websocket_example_prints_an_error(tmp_path, model_url):
 
 def test_the_openai_examples_answer_with_citations(demo, tmp_path):
     script = tmp_path / "openai_example.py"
-    script.write_text(here(example("python", "from openai import OpenAI"), demo))
+    script.write_text(here(example("python", "webSearch:balanced"), demo))
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "Demo answer" in done.stdout and "https://" in done.stdout  # the citations
@@ -163,3 +163,21 @@ def test_the_upload_example_answers_from_the_files(demo, tmp_path):
     sources = next(d for _, d in got if d["type"] == "sources")["data"]
     assert sources[0]["metadata"]["fileId"] == files[0]["fileId"]
     assert got[-1][1]["type"] == "messageEnd"
+
+
+def test_the_responses_examples_answer_with_annotations_and_search_parameters(demo, tmp_path):
+    script = tmp_path / "responses_example.py"
+    script.write_text(here(example("python", "client.responses.create"), demo))
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Demo answer" in done.stdout and "https://" in done.stdout
+    assert "[1]" in done.stdout  # an annotation's marker, printed with its URL
+
+
+def test_the_javascript_example_runs_with_the_npm_clients(demo, tmp_path):
+    (tmp_path / "node_modules").symlink_to(Path(npm_packages("node_clients.sh")) / "node_modules")
+    script = tmp_path / "example.mjs"
+    script.write_text(here(example("js", "@ai-sdk/openai"), demo))
+    done = subprocess.run(["node", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Demo answer") == 2 and "https://" in done.stdout

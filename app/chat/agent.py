@@ -36,7 +36,7 @@ from ..errors import AppError, SearchError
 from ..files.service import FileService
 from ..llm import ChatModel, ToolCall, ToolsUnsupported
 from ..prompts import Prompts
-from ..search.base import SearchResult, SearchScope
+from ..search.base import SearchFilters, SearchResult, SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
 from .modes import ACADEMIC, DISCUSSIONS
@@ -148,6 +148,7 @@ class Research:
     files: Sequence[FileRecord]
     collections: Callable[[str], Awaitable[list[SearchResult]]] | None
     deadline: float
+    filters: SearchFilters | None = None  # what every web search is kept to
     found: dict[str, SearchResult] = field(default_factory=dict)
     searches: int = 0
     reads: int = 0
@@ -193,8 +194,10 @@ class Researcher:
         urls: Sequence[str] = (),
         files: Sequence[FileRecord] = (),
         collections: Callable[[str], Awaitable[list[SearchResult]]] | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        """The sources for `question`, pasted pages first; [] when nothing was found."""
+        """The sources for `question`, pasted pages first; [] when nothing was found.
+        Every web search is kept to `filters`."""
         budget = budget_of(self.settings, mode)
         loop = asyncio.get_running_loop()
         job = Research(
@@ -205,6 +208,7 @@ class Researcher:
             files,
             collections,
             loop.time() + budget.seconds,
+            filters,
         )
         if urls:
             await self._read(job, list(urls)[:MAX_READS])
@@ -396,12 +400,15 @@ class Researcher:
         settings = self.settings.search
         try:
             async with asyncio.timeout(settings.timeout_seconds):
-                results = await self.web.provider.search(query, settings.max_results, scope)
+                results = await self.web.provider.search(
+                    query, self.web.limit(job.filters), scope, job.filters
+                )
         except (SearchError, TimeoutError) as exc:
             why = getattr(exc, "message", None) or "timed out"
             log.warning("search failed: %s", why)
             job.steps.end(step, f"web search failed ({why})", "failed", results=0)
             return f"the search failed ({why})"
+        results = self.web.keep_to(job.steps.out, results, job.filters)
         job.keep(results)
         text = "web search found nothing" if not results else f"found {len(results)} results"
         job.steps.end(step, text, results=len(results))

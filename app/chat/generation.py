@@ -35,6 +35,7 @@ from ..search.web import (
     CONTEXT_CHARS_PER_SOURCE,
     SNIPPET_CHARS,
     WebSearch,
+    context_chars,
     context_of,
     source_entries,
 )
@@ -42,7 +43,7 @@ from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
 from .agent import Researcher, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
-from .history import make_title, rewrite, stored_history
+from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, steps_of
 from .modes import MODES, PLAIN_PROMPT, SourceJob, WebSources
 
@@ -50,6 +51,7 @@ log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
+IMAGES = 6  # images found for an answer that asks for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,7 @@ class Generation:
         self.decision: Decision | None = None
         self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
+        self.extras: dict[str, Any] = {}  # what `messageEnd` adds: images, related questions
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
@@ -183,7 +186,35 @@ class Generation:
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
-        system = await self._system_prompt(self.rewritten or req.content)
+        question = self.rewritten or req.content
+        images = asyncio.ensure_future(svc.search.images(question, IMAGES)) if req.images else None
+        try:
+            await self._answer(question, history)
+        except BaseException:
+            if images is not None:
+                images.cancel()
+            raise
+        if images is not None:
+            self.extras["images"] = [
+                {"image_url": i.img_src, "origin_url": i.url, "title": i.title}
+                for i in await images
+            ]
+        if req.related:
+            self.extras["relatedQuestions"] = await self._related(history)
+
+    async def _related(self, history: list[tuple[str, str]]) -> list[str]:
+        """Follow-up questions to the answer; none when the model cannot say."""
+        svc, req = self.services, self.request
+        turns = [*history, ("user", req.content), ("assistant", "".join(self.content))]
+        try:
+            return await suggest(svc.llm, svc.prompts, turns)
+        except AppError as exc:
+            log.info("related questions not made: %s", exc.message)
+            return []
+
+    async def _answer(self, question: str, history: list[tuple[str, str]]) -> None:
+        svc, req = self.services, self.request
+        system = await self._system_prompt(question)
         history = fit_history(history, system, req.content, self._room())
         messages: list[Message] = [{"role": "system", "content": system}]
         messages.extend({"role": role, "content": text} for role, text in history)
@@ -290,6 +321,7 @@ class Generation:
                 urls=self.decision.urls,
                 files=self.files if "files" in self.decision.sources else (),
                 collections=self.collections,
+                filters=req.search,
             )
         elif web and mode.sources is not None:
             job = SourceJob(self.out, question, req, svc.search, self.files, self.collections)
@@ -304,9 +336,10 @@ class Generation:
             return svc.prompts.render(PLAIN_PROMPT, date=date)
         prompt = mode.prompt if web else "files_response"
         bare = svc.prompts.render(prompt, date=date, context="")
-        results = fit_sources(results, self._room() - len(bare) - len(req.content))
+        chars = context_chars(req.search)
+        results = fit_sources(results, self._room() - len(bare) - len(req.content), chars)
         await self._send_sources(results)
-        return svc.prompts.render(prompt, date=date, context=context_of(results))
+        return svc.prompts.render(prompt, date=date, context=context_of(results, chars))
 
     async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
         svc = self.services
@@ -356,6 +389,7 @@ class Generation:
                 status=status,
                 questionMessageId=h.question_id,
                 **({"usage": usage.to_json()} if usage else {}),
+                **self.extras,
             )
         try:
             await svc.keeper.save(h.answer_id, saved)
@@ -433,14 +467,16 @@ def estimate_tokens(chars: int) -> int:
     return (chars + 3) // 4
 
 
-def fit_sources(results: list[SearchResult], room: int) -> list[SearchResult]:
+def fit_sources(
+    results: list[SearchResult], room: int, chars: int = CONTEXT_CHARS_PER_SOURCE
+) -> list[SearchResult]:
     """The sources, in order, within `room` characters of context: each at most
-    `CONTEXT_CHARS_PER_SOURCE`; the one that does not fit is cut, and the rest left
-    out (a pasted page, first, always stays)."""
+    `chars`; the one that does not fit is cut, and the rest left out (a pasted page,
+    first, always stays)."""
     kept: list[SearchResult] = []
     for r in results:
         room -= 40  # its "source N <url>" line
-        text = r.text[:CONTEXT_CHARS_PER_SOURCE]
+        text = r.text[:chars]
         if len(text) > room:
             if room < 200 and kept:
                 break

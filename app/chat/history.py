@@ -54,6 +54,15 @@ async def rewrite(
     return text
 
 
+async def suggest(
+    llm: ChatModel, prompts: Prompts, history: Sequence[tuple[str, str]]
+) -> list[str]:
+    """3 to 5 follow-up questions for a conversation (small model). Raises `AppError`."""
+    prompt = prompts.render("suggestions", history=format_history(history[-HISTORY_MESSAGES:]))
+    text = await llm.complete([{"role": "user", "content": prompt}])
+    return answer_lines(text)[:5]
+
+
 async def make_title(
     llm: ChatModel, prompts: Prompts, store: Store, chat_id: str, question: str
 ) -> None:

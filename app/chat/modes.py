@@ -68,7 +68,11 @@ class WebSources(Sources):
 
     async def find(self, job: SourceJob) -> list[SearchResult]:
         return await job.web.find_sources(
-            job.out, job.question, job.request.optimization_mode, scope=self.scope
+            job.out,
+            job.question,
+            job.request.optimization_mode,
+            scope=self.scope,
+            filters=job.request.search,
         )
 
 

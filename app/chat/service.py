@@ -33,14 +33,14 @@ from ..files.service import FileService
 from ..ids import Snowflake
 from ..llm import ChatModel
 from ..metrics import Metrics
-from ..prompts import Prompts, answer_lines
+from ..prompts import Prompts
 from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch
 from ..store import Chat, FileRecord, Store, StoredMessage, Usage
 from ..streams import LogWriter, StreamHub
 from .agent import Researcher
 from .generation import Generation, Services
-from .history import HISTORY_MESSAGES, TITLE_MAX_CHARS, format_history, stored_history
+from .history import TITLE_MAX_CHARS, stored_history, suggest
 from .keeper import AnswerKeeper
 
 log = logging.getLogger("app.chat")
@@ -376,11 +376,7 @@ class ChatService:
         """3 to 5 follow-up questions for a conversation (small model)."""
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
-        prompt = self.prompts.render(
-            "suggestions", history=format_history(history[-HISTORY_MESSAGES:])
-        )
-        text = await self.llm.complete([{"role": "user", "content": prompt}])
-        return answer_lines(text)[:5]
+        return await suggest(self.llm, self.prompts, history)
 
     async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
         """What the user's answers cost since `since`, per model."""

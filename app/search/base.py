@@ -5,7 +5,9 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, replace
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -27,6 +29,8 @@ class SearchResult:
     content: str = ""
     file_id: str = ""
     page: int = 0
+    date: str = ""  # when the page was published, ISO 8601, when the provider says
+    last_updated: str = ""  # when it last changed, ISO 8601, when the provider says
     #: a passage of a knowledge collection: its collection and document
     collection_id: str = ""
     document_id: str = ""
@@ -48,6 +52,72 @@ class SearchScope:
     name: str
     engines: tuple[str, ...] = ()
     sites: tuple[str, ...] = ()
+
+
+#: `recency` → how far back it reaches
+RECENCY = {
+    "hour": timedelta(hours=1),
+    "day": timedelta(days=1),
+    "week": timedelta(weeks=1),
+    "month": timedelta(days=31),
+    "year": timedelta(days=366),
+}
+CONTEXT_SIZES = ("low", "medium", "high")  # what each means: `web.CONTEXT_SHARES`
+
+
+@dataclass(frozen=True, slots=True)
+class SearchFilters:
+    """What a search is kept to (PROTOCOL §1 `search`, Perplexity's parameters): the
+    domains it may (`include`) or may not (`exclude`) come from, how recent a page must
+    be (`recency`), published after / before a day, and how much of the web the answer
+    reads (`context_size`). Empty means no restriction."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    recency: str = ""
+    after: date | None = None
+    before: date | None = None
+    context_size: str = ""
+
+    @property
+    def dated(self) -> bool:
+        return bool(self.recency or self.after or self.before)
+
+    def since(self, now: datetime | None = None) -> date | None:
+        """The first day a page may be from: the later of `after` and `recency`."""
+        recent = None
+        if self.recency:
+            recent = ((now or datetime.now(UTC)) - RECENCY[self.recency]).date()
+        days = [d for d in (self.after, recent) if d is not None]
+        return max(days) if days else None
+
+    def allows_domain(self, url: str) -> bool:
+        host = (urlsplit(url).hostname or "").lower()
+        if any(in_domain(host, d) for d in self.exclude):
+            return False
+        return not self.include or any(in_domain(host, d) for d in self.include)
+
+    def allows_date(self, published: str) -> bool | None:
+        """Whether a page published then passes the date filters; None when its date is
+        unknown (or not a date)."""
+        day = day_of(published)
+        if day is None:
+            return None
+        since = self.since()
+        return not (since and day < since) and not (self.before and day > self.before)
+
+
+def in_domain(host: str, domain: str) -> bool:
+    """Whether `host` is `domain` or one of its subdomains."""
+    return host == domain or host.endswith("." + domain)
+
+
+def day_of(value: str) -> date | None:
+    """The day of an ISO 8601 date or date-time ("2026-03-01", "2026-03-01T10:00:00Z")."""
+    try:
+        return date.fromisoformat(value[:10])
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +142,14 @@ class NewsItem:
 class SearchProvider(abc.ABC):
     """A web search API. `search` raises `SearchError` (no key, unreachable, non-2xx,
     unexpected body); an empty list means it found nothing. Images, videos and news
-    are [] for a provider that has none of them."""
+    are [] for a provider that has none of them.
+
+    `honours` names the filters (`domains`, `recency`, `dates`) the provider applies
+    itself when `search` is given them; the pipeline applies the others to the results
+    afterwards where it can."""
 
     name: str
+    honours: frozenset[str] = frozenset()
 
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
@@ -87,7 +162,11 @@ class SearchProvider(abc.ABC):
 
     @abc.abstractmethod
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]: ...
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
@@ -132,18 +211,24 @@ def absolute(url: Any) -> str:
     return url if url.startswith(("http://", "https://")) else ""
 
 
-def site_query(query: str, scope: SearchScope | None) -> str:
-    """The query kept to the scope's sites with `site:` operators (providers without
-    engines)."""
-    if scope is None or not scope.sites:
-        return query
-    return f"{query} ({' OR '.join(f'site:{site}' for site in scope.sites)})"
+def site_query(query: str, scope: SearchScope | None, filters: SearchFilters | None = None) -> str:
+    """The query kept to the scope's sites and the filters' domains with `site:` and
+    `-site:` operators (providers without engines or domain parameters)."""
+    sites = list(scope.sites) if scope is not None else []
+    if filters is not None and filters.include:
+        sites = list(filters.include)  # the caller's choice narrows a focus mode's
+    if sites:
+        query = f"{query} ({' OR '.join(f'site:{site}' for site in sites)})"
+    if filters is not None and filters.exclude:
+        query += "".join(f" -site:{site}" for site in filters.exclude)
+    return query
 
 
 def results_from(
-    items: Any, *, title: str, url: str, snippet: str, provider: str
+    items: Any, *, title: str, url: str, snippet: str, provider: str, published: str = ""
 ) -> list[SearchResult]:
-    """Map a provider's list of dicts onto results, skipping entries without a URL."""
+    """Map a provider's list of dicts onto results, skipping entries without a URL;
+    `published` names the field of the page's date, if the provider has one."""
     if not isinstance(items, list):
         raise SearchError(f"{provider} answered without a result list")
     out = []
@@ -154,6 +239,25 @@ def results_from(
                     title=str(item.get(title) or item[url]),
                     url=item[url],
                     snippet=str(item.get(snippet) or ""),
+                    date=iso_date(item.get(published)) if published else "",
                 )
             )
     return out
+
+
+def iso_date(value: Any) -> str:
+    """A provider's date as ISO 8601 ("" when there is none, or it is not one): ISO
+    already, or RFC 2822 as some feeds write it."""
+    value = text(value).strip()
+    if not value:
+        return ""
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).isoformat()
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).isoformat()
+    except (TypeError, ValueError):
+        return ""

@@ -7,9 +7,11 @@ runs in one of a few threads of this provider's own, bounded by the search timeo
 rounds of them). Its services rate-limit and block freely: every failure becomes a
 `SearchError` in plain words, which the pipeline turns into a `progress` event.
 
-Answers are cached for `ddgs.cache_seconds`, keyed by (kind, query as sent, limit);
+Answers are cached for `ddgs.cache_seconds`, keyed by (kind, query as sent, limit, time limit);
 concurrent callers of the same key share one call. Failures are not cached.
-Focus modes that keep to some sources add `site:` operators to the query.
+Focus modes that keep to some sources, and the domain filters, add `site:` and
+`-site:` operators to the query; recency is the library's `timelimit` (d, w, m, y: an
+hour asks for a day). It has no date ranges, and gives no dates for text results.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..errors import SearchError
 from .base import (
     MediaResult,
     NewsItem,
+    SearchFilters,
     SearchProvider,
     SearchResult,
     SearchScope,
@@ -46,7 +49,7 @@ CACHE_ENTRIES = 256
 #: the library gives up, and must not take the event loop's default executor with it)
 THREADS = 4
 
-Key = tuple[str, str, int]
+Key = tuple[str, str, int, str]
 
 
 class DdgsClient(Protocol):
@@ -69,6 +72,7 @@ def new_client(settings: DdgsSettings) -> DdgsClient:
 
 class DdgsSearch(SearchProvider):
     name = "ddgs"
+    honours = frozenset({"domains", "recency"})
 
     def __init__(
         self,
@@ -96,10 +100,17 @@ class DdgsSearch(SearchProvider):
         return "https://html.duckduckgo.com"  # the library's first service
 
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
         found = []
-        for item in await self._ask("text", site_query(query, scope), limit):
+        recency = filters.recency if filters is not None else ""
+        limit_to = {"hour": "d"}.get(recency, recency[:1])
+        query = site_query(query, scope, filters)
+        for item in await self._ask("text", query, limit, timelimit=limit_to):
             url = absolute(item.get("href"))
             if url:
                 found.append(
@@ -149,20 +160,22 @@ class DdgsSearch(SearchProvider):
 
     # -- one call of the library, cached and shared -----------------------------------------
 
-    async def _ask(self, kind: str, query: str, limit: int) -> list[dict[str, Any]]:
+    async def _ask(
+        self, kind: str, query: str, limit: int, timelimit: str = ""
+    ) -> list[dict[str, Any]]:
         """The library's answer for `kind` ("text", "images", …), from the cache when
         fresh, else from the call in flight for the same key, else from a new call.
 
         Raises `SearchError`. Cancelling is safe: the shared call goes on for the other
         callers (its result is cached), and ends within `timeout` in any case.
         """
-        key = (kind, query, limit)
+        key = (kind, query, limit, timelimit)
         cached = self._cache.get(key)
         if cached is not None and time.monotonic() < cached[0]:
             return cached[1]
         flight = self._flights.get(key)
         if flight is None:
-            flight = asyncio.ensure_future(self._call(kind, query, limit))
+            flight = asyncio.ensure_future(self._call(kind, query, limit, timelimit))
             self._flights[key] = flight
             flight.add_done_callback(functools.partial(self._landed, key))
         return await asyncio.shield(flight)
@@ -181,12 +194,14 @@ class DdgsSearch(SearchProvider):
         while len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
 
-    async def _call(self, kind: str, query: str, limit: int) -> list[dict[str, Any]]:
+    async def _call(
+        self, kind: str, query: str, limit: int, timelimit: str
+    ) -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.timeout):
                 items = await loop.run_in_executor(
-                    self._threads, functools.partial(self._blocking, kind, query, limit)
+                    self._threads, functools.partial(self._blocking, kind, query, limit, timelimit)
                 )
         except TimeoutError as exc:
             log.warning("ddgs %s search timed out after %.0f s", kind, self.timeout)
@@ -201,7 +216,7 @@ class DdgsSearch(SearchProvider):
             raise SearchError("the keyless search answered with something other than results")
         return [item for item in items if isinstance(item, dict)]
 
-    def _blocking(self, kind: str, query: str, limit: int) -> list[dict[str, Any]]:
+    def _blocking(self, kind: str, query: str, limit: int, timelimit: str) -> list[dict[str, Any]]:
         """One call of the library, in a thread of this provider's."""
         client = self.factory(self.settings)
         method: Callable[..., list[dict[str, Any]]] = getattr(client, kind)
@@ -211,6 +226,7 @@ class DdgsSearch(SearchProvider):
             safesearch=self.settings.safesearch,
             max_results=limit,
             backend=self.settings.backend,
+            **({"timelimit": timelimit} if timelimit else {}),
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from urllib.parse import quote_plus
 
 from ..demo import topic_of
-from .base import SearchProvider, SearchResult, SearchScope
+from .base import SearchFilters, SearchProvider, SearchResult, SearchScope
 
 
 class DemoSearch(SearchProvider):
@@ -16,7 +16,11 @@ class DemoSearch(SearchProvider):
     name = "demo"
 
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
         topic = topic_of(query)
         q = quote_plus(query)

@@ -1,7 +1,9 @@
 """Google Custom Search: `GET {google.base_url}/customsearch/v1?key=…&cx=…&q=…`.
 
-Focus modes that keep to some sources add `site:` operators to the query;
-images are `searchType=image` (Google has no video or news search here).
+Focus modes that keep to some sources, and the domain filters, add `site:` and
+`-site:` operators to the query; recency is `dateRestrict` (d1, w1, m1, y1: an hour
+asks for a day) and a date range `sort=date:r:YYYYMMDD:YYYYMMDD`. Images are
+`searchType=image` (Google has no video or news search here).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from ..config import GoogleSettings
 from ..errors import SearchError
 from .base import (
     MediaResult,
+    SearchFilters,
     SearchProvider,
     SearchResult,
     SearchScope,
@@ -23,9 +26,13 @@ from .base import (
     text,
 )
 
+#: `recency` → Google's `dateRestrict`
+DATE_RESTRICT = {"hour": "d1", "day": "d1", "week": "w1", "month": "m1", "year": "y1"}
+
 
 class GoogleSearch(SearchProvider):
     name = "Google"
+    honours = frozenset({"domains", "recency", "dates"})
 
     def __init__(self, http: httpx.AsyncClient, settings: GoogleSettings) -> None:
         super().__init__(http)
@@ -57,9 +64,20 @@ class GoogleSearch(SearchProvider):
         return self.settings.base_url
 
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        items = await self._items(site_query(query, scope), limit)
+        params = {}
+        if filters is not None and filters.recency:
+            params["dateRestrict"] = DATE_RESTRICT[filters.recency]
+        if filters is not None and (filters.after or filters.before):
+            start = filters.after.strftime("%Y%m%d") if filters.after else "19700101"
+            end = filters.before.strftime("%Y%m%d") if filters.before else "99991231"
+            params["sort"] = f"date:r:{start}:{end}"
+        items = await self._items(site_query(query, scope, filters), limit, **params)
         return results_from(
             items, title="title", url="link", snippet="snippet", provider=self.name
         )[:limit]

@@ -1,7 +1,10 @@
 """SearxNG: `GET {searxng.url}/search?q=…&format=json` (JSON output enabled on the instance).
 
 Focus modes that keep to some sources pass SearxNG engines (`engines=arxiv,…`);
-images, videos and news are its `images`, `videos` and `news` categories.
+recency is its `time_range` (day, week, month, year: an hour asks for a day); it has
+no domain or date-range parameters, so those are applied to its results (which carry
+`publishedDate` when the engine gives one). Images, videos and news are its `images`,
+`videos` and `news` categories.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from ..errors import SearchError
 from .base import (
     MediaResult,
     NewsItem,
+    SearchFilters,
     SearchProvider,
     SearchResult,
     SearchScope,
@@ -27,6 +31,7 @@ from .base import (
 
 class SearxngSearch(SearchProvider):
     name = "SearxNG"
+    honours = frozenset({"recency"})
 
     def __init__(self, http: httpx.AsyncClient, settings: SearxngSettings) -> None:
         super().__init__(http)
@@ -49,17 +54,28 @@ class SearxngSearch(SearchProvider):
         return self.settings.url
 
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
         params = {"q": query}
         if scope is not None and scope.engines:
             params["engines"] = ",".join(scope.engines)
         elif scope is not None:  # a site named, no engine for it: `site:` in the query
             params["q"] = site_query(query, scope)
+        if filters is not None and filters.recency:
+            params["time_range"] = "day" if filters.recency == "hour" else filters.recency
         items = await self._results(**params)
-        return results_from(items, title="title", url="url", snippet="content", provider=self.name)[
-            :limit
-        ]
+        return results_from(
+            items,
+            title="title",
+            url="url",
+            snippet="content",
+            provider=self.name,
+            published="publishedDate",
+        )[:limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         found = []

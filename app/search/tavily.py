@@ -1,8 +1,10 @@
 """Tavily: `POST {tavily.base_url}/search` with a bearer key.
 
-Focus modes that keep to some sources pass `include_domains`; images come with
-`include_images`; news is `topic: "news"` (Tavily has no videos, and no picture
-per news item, so discover may be empty with it).
+Focus modes that keep to some sources pass `include_domains`; the search filters are
+Tavily's own `include_domains` / `exclude_domains`, `time_range` (an hour asks for a
+day) and `start_date` / `end_date`; images come with `include_images`; news is
+`topic: "news"` (Tavily has no videos, and no picture per news item, so discover may
+be empty with it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..errors import SearchError
 from .base import (
     MediaResult,
     NewsItem,
+    SearchFilters,
     SearchProvider,
     SearchResult,
     SearchScope,
@@ -27,6 +30,7 @@ from .base import (
 
 class TavilySearch(SearchProvider):
     name = "Tavily"
+    honours = frozenset({"domains", "recency", "dates"})
 
     def __init__(self, http: httpx.AsyncClient, settings: TavilySettings) -> None:
         super().__init__(http)
@@ -51,14 +55,34 @@ class TavilySearch(SearchProvider):
         return self.settings.base_url
 
     async def search(
-        self, query: str, limit: int, scope: SearchScope | None = None
+        self,
+        query: str,
+        limit: int,
+        scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
         body: dict[str, Any] = {"query": query, "max_results": limit}
         if scope is not None and scope.sites:
             body["include_domains"] = list(scope.sites)
+        if filters is not None:
+            if filters.include:
+                body["include_domains"] = list(filters.include)
+            if filters.exclude:
+                body["exclude_domains"] = list(filters.exclude)
+            if filters.recency:
+                body["time_range"] = "day" if filters.recency == "hour" else filters.recency
+            if filters.after:
+                body["start_date"] = filters.after.isoformat()
+            if filters.before:
+                body["end_date"] = filters.before.isoformat()
         answer = await self._search(**body)
         return results_from(
-            answer.get("results"), title="title", url="url", snippet="content", provider=self.name
+            answer.get("results"),
+            title="title",
+            url="url",
+            snippet="content",
+            provider=self.name,
+            published="published_date",
         )[:limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:

@@ -30,7 +30,14 @@ from ..config import Settings
 from ..errors import AppError, SearchError
 from ..llm import ChatModel, Embedder
 from ..prompts import Prompts
-from .base import MediaResult, NewsItem, SearchProvider, SearchResult, SearchScope
+from .base import (
+    MediaResult,
+    NewsItem,
+    SearchFilters,
+    SearchProvider,
+    SearchResult,
+    SearchScope,
+)
 from .ddgs import DdgsSearch
 from .demo import DemoSearch
 from .google import GoogleSearch
@@ -49,6 +56,38 @@ SNIPPET_CHARS = 500
 CONTEXT_CHARS_PER_SOURCE = 6000
 PROBE_SECONDS = 5.0
 PROVIDER_LABELS = {"tavily": "Tavily", "searxng": "SearxNG", "google": "Google", "ddgs": "keyless"}
+#: `search.contextSize` → (share of `search.max_results` searched, characters of each
+#: source the model is given)
+CONTEXT_SHARES = {
+    "low": (0.5, 2000),
+    "medium": (1.0, CONTEXT_CHARS_PER_SOURCE),
+    "high": (1.5, 12000),
+}
+
+
+def context_chars(filters: SearchFilters | None) -> int:
+    """How much of each source the model is given, by `contextSize`."""
+    return CONTEXT_SHARES[(filters and filters.context_size) or "medium"][1]
+
+
+def kept(
+    results: list[SearchResult], filters: SearchFilters, honoured: frozenset[str]
+) -> tuple[list[SearchResult], list[str]]:
+    """The results that pass the filters, and what could not be checked: the domains
+    always (a provider's own filter is not trusted to be exact), the dates of those
+    results that have one. A result without a date passes a date filter that the
+    provider did not apply itself, and that is said."""
+    passed = [r for r in results if filters.allows_domain(r.url)]
+    unchecked = []
+    if filters.dated:
+        dated = [r for r in passed if filters.allows_date(r.date) is not False]
+        undated = sum(1 for r in dated if not r.date)
+        needs = "recency" if filters.recency and not (filters.after or filters.before) else "dates"
+        exact = needs in honoured and filters.recency != "hour"
+        if undated and not exact:
+            unchecked.append(f"{undated} result{'s' if undated != 1 else ''} without a date")
+        passed = dated
+    return passed, unchecked
 
 
 class Progress(Protocol):
@@ -218,10 +257,12 @@ class WebSearch:
         mode: str,
         picks: int = QUALITY_PICKS,
         scope: SearchScope | None = None,
+        filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        """Search (within `scope`), rank and read for `question`; [] when there is
-        nothing to ground on (a `progress` event has said why). `picks` bounds what
-        `quality` reads.
+        """Search (within `scope`, kept to `filters`), rank and read for `question`; []
+        when there is nothing to ground on (a `progress` event has said why). `picks`
+        bounds what `quality` reads. The search is a `progress` step of kind `search`
+        (its query and provider; then how many results, or that it failed).
 
         Cancelling is safe: in-flight requests are closed.
         """
@@ -239,9 +280,7 @@ class WebSearch:
         deadline = loop.time() + budget
         try:
             async with asyncio.timeout(budget):
-                results = await self.provider.search(
-                    question, self.settings.search.max_results, scope
-                )
+                results = await self.provider.search(question, self.limit(filters), scope, filters)
         except TimeoutError:
             out.emit("progress", data="web search timed out", step={**step, "status": "failed"})
             return []
@@ -250,12 +289,30 @@ class WebSearch:
             failed = {**step, "status": "failed", "results": 0}
             out.emit("progress", data=f"web search failed ({exc.message})", step=failed)
             return []
+        results = self.keep_to(out, results, filters)
         found = {**step, "status": "done", "results": len(results)}
         if not results:
             out.emit("progress", data="web search found nothing", step=found)
             return []
         out.emit("progress", data=f"found {len(results)} results", step=found)
         return await self.refine(out, question, mode, results, deadline, picks)
+
+    def limit(self, filters: SearchFilters | None) -> int:
+        """How many results a search asks for: `search.max_results`, by `contextSize`."""
+        share = CONTEXT_SHARES[(filters and filters.context_size) or "medium"][0]
+        return max(1, round(self.settings.search.max_results * share))
+
+    def keep_to(
+        self, out: Progress, results: list[SearchResult], filters: SearchFilters | None
+    ) -> list[SearchResult]:
+        """The results that pass `filters` (see `kept`); what could not be checked is
+        said in a `progress` event."""
+        if filters is None:
+            return results
+        results, unchecked = kept(results, filters, self.provider.honours)
+        for what in unchecked:
+            out.emit("progress", data=f"{self.provider.name} cannot filter by date: {what} kept")
+        return results
 
     async def refine(
         self,
@@ -340,6 +397,10 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
     entries: list[dict[str, object]] = []
     for r in results:
         metadata: dict[str, object] = {"title": r.title, "url": r.url}
+        if r.date:
+            metadata["date"] = r.date
+        if r.last_updated:
+            metadata["lastUpdated"] = r.last_updated
         if r.file_id:
             metadata["fileId"] = r.file_id
             if r.page:
@@ -354,12 +415,11 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
     return entries
 
 
-def context_of(results: list[SearchResult]) -> str:
+def context_of(results: list[SearchResult], chars: int = CONTEXT_CHARS_PER_SOURCE) -> str:
     """'source N <url> <content>' per source, as the original built it (a file
-    passage names its file and page instead of a URL)."""
+    passage names its file and page instead of a URL), `chars` of each."""
     return "\n".join(
-        f"source {i} {cited(r)} {r.text[:CONTEXT_CHARS_PER_SOURCE]}"
-        for i, r in enumerate(results, start=1)
+        f"source {i} {cited(r)} {r.text[:chars]}" for i, r in enumerate(results, start=1)
     )
 
 

@@ -63,23 +63,35 @@ def openai_error(exc: AppError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-def json_errors(endpoint: Endpoint) -> Endpoint:
-    """Turn an error raised before a response starts into its JSON error body: an
-    `AppError` as it says, anything else (a bug) as 500 `INTERNAL`, logged."""
+def answering_errors(
+    render: Callable[[AppError], Response],
+) -> Callable[[Endpoint], Endpoint]:
+    """A decorator that turns an error raised before a response starts into the body
+    `render` makes of it: an `AppError` as it says, anything else (a bug) as 500
+    `INTERNAL`, logged."""
 
-    @functools.wraps(endpoint)
-    async def wrapper(request: Request) -> Response:
-        try:
-            return await endpoint(request)
-        except AppError as exc:
-            request.app.state.metrics.errors.labels(exc.key).inc()
-            return error_response(exc)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
-            request.app.state.metrics.errors.labels("INTERNAL").inc()
-            return error_response(AppError("internal error"))
+    def decorate(endpoint: Endpoint) -> Endpoint:
+        @functools.wraps(endpoint)
+        async def wrapper(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except AppError as exc:
+                request.app.state.metrics.errors.labels(exc.key).inc()
+                return render(exc)
+            except Exception:
+                log.exception("%s %s failed", request.method, request.url.path)
+                request.app.state.metrics.errors.labels("INTERNAL").inc()
+                return render(AppError("internal error"))
 
-    return wrapper
+        return wrapper
+
+    return decorate
+
+
+#: the chat API's JSON error bodies (PROTOCOL §1)
+json_errors = answering_errors(error_response)
+#: OpenAI's error shape, for the `/v1` API (PROTOCOL §10)
+openai_errors = answering_errors(openai_error)
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:

@@ -6,7 +6,9 @@ message the question, earlier ones the history, system messages extra
 instructions. It goes through the same chat service as `/api/chat/sse`: a
 completion is a generation, relayed through one more encoder (`OpenAIEncoder`,
 `chat.completion.chunk` lines). Sources come as Perplexity returns them:
-`citations` (URLs, `[N]` → `citations[N-1]`) and `search_results`.
+`citations` (URLs, `[N]` → `citations[N-1]`) and `search_results`; Perplexity's
+search parameters (`search_domain_filter`, `search_recency_filter`, …) become the
+chat request's `search` controls (`search_parameters`, shared with `/v1/responses`).
 
 Unlike the chat protocol, a client that goes away stops the generation (the
 upstream model request is closed), as OpenAI clients expect.
@@ -17,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -37,11 +39,21 @@ from ..protocol import (
     Events,
     parse_collections,
     parse_id,
+    parse_search,
 )
-from .http import ERROR_TYPES, client_identity, count_request, openai_error, rate_key, read_json
+from .http import (
+    ERROR_TYPES,
+    client_identity,
+    count_request,
+    openai_error,
+    openai_errors,
+    rate_key,
+    read_json,
+)
 from .streaming import StreamResponse
 
 CREATED = int(time.time())
+T = TypeVar("T")
 
 
 def model_ids() -> list[str]:
@@ -66,22 +78,15 @@ async def models(request: Request) -> Response:
     )
 
 
+@openai_errors
 async def chat_completions(request: Request) -> Response:
-    try:
-        return await _chat_completions(request)
-    except AppError as exc:
-        request.app.state.metrics.errors.labels(exc.key).inc()
-        return openai_error(exc)
-
-
-async def _chat_completions(request: Request) -> Response:
     settings: Settings = request.app.state.settings
     body = await read_json(request, settings.limits.max_body_bytes)
     chat_request = parse_completion(body, settings)
     claimed = body.get("user") if isinstance(body.get("user"), str) else None
     chat_request = replace(
         chat_request,
-        user_id=_user(request, claimed),
+        user_id=api_user(request, claimed),
         cap_key=rate_key(request),
         host=request.headers.get("host", ""),
     )
@@ -93,21 +98,34 @@ async def _chat_completions(request: Request) -> Response:
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     if stream:
         encoder = OpenAIEncoder(model, handle, include_usage=bool(options.get("include_usage")))
-        chunks: AsyncIterator[bytes] = service.relay(handle, encoder)
-        return StreamResponse(
-            chunks,
-            media_type="text/event-stream; charset=utf-8",
-            ping=b": keep-alive\n\n",
-            ping_interval=settings.server.keepalive_seconds,
-            send_timeout=settings.stream.client_timeout_seconds,
-            on_disconnect=lambda: service.stop_here(handle),
-            connections=request.app.state.metrics.connections_active.labels("openai"),
-            group=request.app.state.streams,
+        return event_stream(
+            request, service.relay(handle, encoder), "openai", lambda: service.stop_here(handle)
         )
     return await _whole(request, service, handle, model)
 
 
-def _user(request: Request, claimed: str | None) -> str:
+def event_stream(
+    request: Request,
+    chunks: AsyncIterator[bytes],
+    label: str,
+    on_disconnect: Callable[[], None] | None,
+) -> Response:
+    """A `/v1` event stream: `chunks` as they come, `: keep-alive` while idle, a stuck
+    client let go, `on_disconnect` called when the client goes away."""
+    settings: Settings = request.app.state.settings
+    return StreamResponse(
+        chunks,
+        media_type="text/event-stream; charset=utf-8",
+        ping=b": keep-alive\n\n",
+        ping_interval=settings.server.keepalive_seconds,
+        send_timeout=settings.stream.client_timeout_seconds,
+        on_disconnect=on_disconnect,
+        connections=request.app.state.metrics.connections_active.labels(label),
+        group=request.app.state.streams,
+    )
+
+
+def api_user(request: Request, claimed: str | None) -> str:
     """Whom a completion is for. OpenAI's `user` is a free end-user label its clients
     are encouraged to send: with auth on the key decides (the label is not a claim),
     with auth off a label that is an id names the user, as `userId` does."""
@@ -119,9 +137,11 @@ def _user(request: Request, claimed: str | None) -> str:
         return client_identity(request, None)
 
 
-def parse_completion(body: Any, settings: Settings) -> ChatRequest:
-    """An OpenAI chat completion request as a chat request. `BadRequest`, or
-    `NotFound` for a model that is not one of `model_ids()`."""
+def parse_model(body: Any) -> tuple[str, str, dict[str, Any]]:
+    """The focus and optimization modes a request's `model` names, and the chat
+    request's fields it and `collections` set (`collection:<id>`: that collection
+    alone, no web). `BadRequest`, or `NotFound` for a model that is not one of
+    `model_ids()`."""
     if not isinstance(body, dict):
         raise BadRequest("the request must be a JSON object")
     model = body.get("model")
@@ -135,45 +155,76 @@ def parse_completion(body: Any, settings: Settings) -> ChatRequest:
         focus, optimization, copilot = "webSearch", "", False
     elif model not in model_ids() or focus not in FOCUS_MODES:
         raise NotFound(f"the model {model!r} does not exist: see GET /v1/models")
+    fields = {"collections": tuple(dict.fromkeys(collections)), "copilot_enabled": copilot}
+    return focus, optimization, fields
+
+
+def parse_completion(body: Any, settings: Settings) -> ChatRequest:
+    """An OpenAI chat completion request as a chat request. `BadRequest`, or
+    `NotFound` for a model that is not one of `model_ids()`."""
+    focus, optimization, fields = parse_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
+    return conversation(messages, "messages", focus, optimization, settings, body, fields)
+
+
+def conversation(
+    messages: list[Any],
+    name: str,
+    focus: str,
+    optimization: str,
+    settings: Settings,
+    body: dict[str, Any],
+    fields: dict[str, Any],
+    *,
+    instructions: str = "",
+) -> ChatRequest:
+    """OpenAI's messages (`{role, content}`, content a string or a list of text parts)
+    as a chat request with `fields` (what the model named): the last user message the
+    question, the user and assistant ones before it the history, system and developer
+    ones extra instructions; Perplexity's search parameters of `body` as its `search`
+    controls. `BadRequest` names the message (`name[i]`)."""
     limits = settings.limits
     turns: list[tuple[str, str]] = []
-    instructions: list[str] = []
+    extra: list[str] = [instructions]
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise BadRequest(f"messages[{i}] must be an object")
-        role, text = message.get("role"), _text(message.get("content"), i)
+            raise BadRequest(f"{name}[{i}] must be an object")
+        role, text = message.get("role", "user"), _text(message.get("content"), f"{name}[{i}]")
         if role in ("system", "developer"):
-            instructions.append(text)
+            extra.append(text)
         elif role in ("user", "assistant"):
             if len(text) > limits.max_content_chars:
                 raise BadRequest(
-                    f"messages[{i}] is longer than {limits.max_content_chars} characters"
+                    f"{name}[{i}] is longer than {limits.max_content_chars} characters"
                 )
             turns.append((role, text))
         elif role not in ("tool", "function"):
-            raise BadRequest(f"messages[{i}].role must be system, developer, user or assistant")
+            raise BadRequest(f"{name}[{i}].role must be system, developer, user or assistant")
     last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
     if last_user is None or not turns[last_user][1].strip():
-        raise BadRequest("messages must end with a user message that has content")
+        raise BadRequest(f"{name} must end with a user message that has content")
     history = turns[:last_user][-limits.max_history_messages :]
-    return ChatRequest(
+    request = ChatRequest(
         user_id="0",
         content=turns[last_user][1],
         focus_mode=focus,
-        copilot_enabled=copilot,
         optimization_mode=optimization or "speed",
         history=tuple(history),
-        collections=tuple(dict.fromkeys(collections)),
-        instructions="\n\n".join(t for t in instructions if t.strip())[: limits.max_content_chars],
+        instructions="\n\n".join(t for t in extra if t.strip())[: limits.max_content_chars],
         transport="openai",
     )
+    return replace(request, **{**fields, **search_parameters(body, focus)})
 
 
-def _text(content: Any, index: int) -> str:
-    """A message's content: a string, or OpenAI's list of parts (the text ones)."""
+#: the text parts of a message's content, in either API
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _text(content: Any, name: str) -> str:
+    """A message's content: a string, or a list of parts (the text ones; images and
+    files are left out)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -183,10 +234,64 @@ def _text(content: Any, index: int) -> str:
             part.get("text", "")
             for part in content
             if isinstance(part, dict)
-            and part.get("type") == "text"
+            and part.get("type") in TEXT_PARTS
             and isinstance(part.get("text"), str)
         )
-    raise BadRequest(f"messages[{index}].content must be a string or a list of parts")
+    raise BadRequest(f"{name}.content must be a string or a list of parts")
+
+
+def search_parameters(body: dict[str, Any], focus: str) -> dict[str, Any]:
+    """Perplexity's search parameters (PROTOCOL §10) as the chat request's fields:
+    `search_domain_filter`, `search_recency_filter`, `search_after_date_filter`,
+    `search_before_date_filter`, `web_search_options.search_context_size` → `search`;
+    `search_mode: academic` → the academicSearch mode; `disable_search` → no web
+    search; `return_images`, `return_related_questions`. The Responses API's
+    `tools: [{"type": "web_search", "filters": {...}}]` give the same names (and
+    OpenAI's `allowed_domains`, `search_context_size`). `BadRequest` names the field."""
+    params = dict(body)
+    tools = body.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        if isinstance(tool, dict) and str(tool.get("type", "")).startswith("web_search"):
+            filters = tool.get("filters")
+            filters = filters if isinstance(filters, dict) else {}
+            params.update({k: v for k, v in filters.items() if k.startswith("search_")})
+            if "allowed_domains" in filters:
+                params["search_domain_filter"] = filters["allowed_domains"]
+            if "search_context_size" in tool:
+                params["web_search_options"] = {"search_context_size": tool["search_context_size"]}
+    options = params.get("web_search_options")
+    options = options if isinstance(options, dict) else {}
+    fields: dict[str, Any] = {}
+    search = parse_search(
+        {
+            "domains": params.get("search_domain_filter"),
+            "recency": params.get("search_recency_filter"),
+            "after": params.get("search_after_date_filter"),
+            "before": params.get("search_before_date_filter"),
+            "contextSize": options.get("search_context_size"),
+        },
+        "search parameters: search",
+    )
+    if search is not None:
+        fields["search"] = search
+    mode = params.get("search_mode", "web")
+    if mode not in ("web", "academic"):
+        raise BadRequest("search_mode must be web or academic")
+    if mode == "academic" and focus == "webSearch":
+        fields["focus_mode"] = "academicSearch"
+    for name, field in (
+        ("disable_search", None),
+        ("return_images", "images"),
+        ("return_related_questions", "related"),
+    ):
+        value = params.get(name, False)
+        if not isinstance(value, bool):
+            raise BadRequest(f"{name} must be true or false")
+        if field is not None:
+            fields[field] = value
+        elif value:
+            fields["copilot_enabled"] = False
+    return fields
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -207,6 +312,7 @@ class OpenAIEncoder(Encoder[bytes]):
         self._id = f"chatcmpl-{handle.answer_id}"
         self._model = model
         self._sources: dict[str, Any] = {}
+        self._searches = 0
         self._head, self._tail = self._frame()
 
     def _body(self, choices: list[Any], **extra: Any) -> dict[str, Any]:
@@ -246,6 +352,7 @@ class OpenAIEncoder(Encoder[bytes]):
             elif kind == "reasoning":
                 out.append(self._chunk({"reasoning_content": data.get("data", "")}))
             elif kind == "progress" and "step" in data:  # shown as thinking, a line a step
+                self._searches += searched(data)
                 out.append(self._chunk({"reasoning_content": data.get("data", "") + "\n"}))
             elif kind == "sources":
                 self._sources = perplexity_sources(data.get("data", []))
@@ -261,47 +368,81 @@ class OpenAIEncoder(Encoder[bytes]):
         return b"".join(out) or None
 
     def _end(self, data: dict[str, Any]) -> bytes:
-        lines = [self._line(self._body([{"index": 0, "delta": {}, "finish_reason": "stop"}]))]
+        last = self._body([{"index": 0, "delta": {}, "finish_reason": "stop"}], **asked_for(data))
+        lines = [self._line(last)]
         if self.include_usage:
-            lines.append(self._line(self._body([], usage=openai_usage(data.get("usage")))))
+            usage = openai_usage(data.get("usage"), self._searches)
+            lines.append(self._line(self._body([], usage=usage)))
         lines.append(b"data: [DONE]\n\n")
         return b"".join(lines)
 
 
+def real_sources(sources: list[Any]) -> list[dict[str, Any]]:
+    """The sources of a `sources` event but the "All Sources" link (not a source)."""
+    return [s for s in sources if s.get("metadata", {}).get("title") != "All Sources"]
+
+
 def perplexity_sources(sources: list[Any]) -> dict[str, Any]:
-    """`citations` (URLs in order, so `[N]` is `citations[N-1]`) and `search_results`,
-    as Perplexity's API returns them; the "All Sources" link is not a source."""
-    real = [s for s in sources if s.get("metadata", {}).get("title") != "All Sources"]
+    """`citations` (URLs in order, so `[N]` is `citations[N-1]`) and `search_results`
+    (`date` and `last_updated` when the provider said), as Perplexity's API returns
+    them."""
+    real = real_sources(sources)
+    results = []
+    for s in real:
+        meta = s.get("metadata", {})
+        result = {"title": meta.get("title", ""), "url": meta.get("url", "")}
+        result["snippet"] = s.get("pageContent", "")
+        if meta.get("date"):
+            result["date"] = meta["date"][:10]
+        if meta.get("lastUpdated") or meta.get("date"):
+            result["last_updated"] = (meta.get("lastUpdated") or meta["date"])[:10]
+        results.append(result)
     return {
         "citations": [s.get("metadata", {}).get("url", "") for s in real],
-        "search_results": [
-            {
-                "title": s.get("metadata", {}).get("title", ""),
-                "url": s.get("metadata", {}).get("url", ""),
-                "snippet": s.get("pageContent", ""),
-            }
-            for s in real
-        ],
+        "search_results": results,
     }
 
 
-def openai_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
+def searched(progress: dict[str, Any]) -> int:
+    """1 when a `progress` event starts a web search (its `step`), else 0."""
+    step = progress.get("step")
+    return int(
+        isinstance(step, dict) and step.get("kind") == "search" and step.get("status") == "running"
+    )
+
+
+def asked_for(end: dict[str, Any]) -> dict[str, Any]:
+    """What a `messageEnd` carries because the request asked for it: `images` and
+    `related_questions`, as Perplexity names them."""
+    fields: dict[str, Any] = {}
+    if "images" in end:
+        fields["images"] = end["images"]
+    if "relatedQuestions" in end:
+        fields["related_questions"] = end["relatedQuestions"]
+    return fields
+
+
+def openai_usage(usage: dict[str, Any] | None, searches: int = 0) -> dict[str, Any]:
     usage = usage or {}
     return {
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "completion_tokens": usage.get("completion_tokens", 0),
         "total_tokens": usage.get("total_tokens", 0),
         "completion_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
+        "num_search_queries": searches,
     }
 
 
 # -- one whole completion -------------------------------------------------------------------
 
 
-async def _whole(request: Request, service: ChatService, handle: Handle, model: str) -> Response:
-    """Wait for the whole answer; a client that goes away meanwhile stops it."""
-    collect = asyncio.create_task(_collect(service, handle))
-    watch = asyncio.create_task(_gone(request))
+async def while_connected(
+    request: Request, service: ChatService, handle: Handle, reader: Coroutine[Any, Any, T]
+) -> T:
+    """Run `reader` (which follows the whole generation) to its end; a client that
+    goes away meanwhile stops the generation, and `reader` then ends with it."""
+    collect = asyncio.create_task(reader)
+    watch = asyncio.create_task(gone(request))
     try:
         await asyncio.wait([collect, watch], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -310,7 +451,12 @@ async def _whole(request: Request, service: ChatService, handle: Handle, model: 
             service.stop_here(handle)
         with contextlib.suppress(asyncio.CancelledError):
             await watch
-    answer = await collect
+    return await collect
+
+
+async def _whole(request: Request, service: ChatService, handle: Handle, model: str) -> Response:
+    """Wait for the whole answer; a client that goes away meanwhile stops it."""
+    answer = await while_connected(request, service, handle, _collect(service, handle))
     if answer["error"] is not None:
         key, message = answer["error"]
         return openai_error(_app_error(key, message))
@@ -324,8 +470,9 @@ async def _whole(request: Request, service: ChatService, handle: Handle, model: 
             "created": int(time.time()),
             "model": model,
             "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
-            "usage": openai_usage(answer["usage"]),
+            "usage": openai_usage(answer["usage"], answer["searches"]),
             **answer["sources"],
+            **asked_for(answer["end"]),
         }
     )
 
@@ -333,7 +480,8 @@ async def _whole(request: Request, service: ChatService, handle: Handle, model: 
 async def _collect(service: ChatService, handle: Handle) -> dict[str, Any]:
     content: list[str] = []
     reasoning: list[str] = []
-    answer: dict[str, Any] = {"sources": {}, "usage": None, "error": None}
+    answer: dict[str, Any] = {"sources": {}, "usage": None, "error": None, "end": {}}
+    answer["searches"] = 0
     async for events in service.relay(handle, Events()):
         for event in events:
             if event.type == "message":
@@ -342,8 +490,11 @@ async def _collect(service: ChatService, handle: Handle) -> dict[str, Any]:
                 reasoning.append(event.data.get("data", ""))
             elif event.type == "sources":
                 answer["sources"] = perplexity_sources(event.data.get("data", []))
+            elif event.type == "progress":
+                answer["searches"] += searched(event.data)
             elif event.type == "messageEnd":
                 answer["usage"] = event.data.get("usage")
+                answer["end"] = event.data
             elif event.type == "error":
                 answer["error"] = (event.data.get("key", "INTERNAL"), event.data.get("data", ""))
     answer["content"] = "".join(content)
@@ -351,7 +502,7 @@ async def _collect(service: ChatService, handle: Handle) -> dict[str, Any]:
     return answer
 
 
-async def _gone(request: Request) -> None:
+async def gone(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

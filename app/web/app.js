@@ -41,7 +41,16 @@ const FOCUS_LABELS = {
 /** Focus modes whose answers search the web (the optimization mode applies to them). */
 const SEARCHING = new Set(["webSearch", "academicSearch", "youtubeSearch", "redditSearch", "wolframAlphaSearch"]);
 
-const DEFAULTS = { transport: "sse", focus: "webSearch", mode: "speed", copilot: true, theme: "system", media: false };
+const DEFAULTS = {
+  transport: "sse",
+  focus: "webSearch",
+  mode: "speed",
+  copilot: true,
+  theme: "system",
+  media: false,
+  domains: [], // the search's domains: "arxiv.org" keeps to it, "-pinterest.com" leaves it out
+  recency: "", // "", or hour | day | week | month | year
+};
 const settings = { ...DEFAULTS, ...JSON.parse(store.getItem("settings") || "{}") };
 
 const state = {
@@ -91,6 +100,7 @@ async function ask(content, { messageId = randomId(), replace = null } = {}) {
     optimizationMode: $("#mode").value,
     copilotEnabled: $("#copilot").checked,
     files: files.map((f) => f.fileId),
+    ...searchControls(),
   });
   if (files.length) {
     addChatFiles(files.map((f) => f.name));
@@ -717,7 +727,17 @@ function updateControls() {
   $("#mode").disabled = !SEARCHING.has(focus);
 }
 
+/** The settings' search filters as the chat request's `search` object, or nothing. */
+function searchControls() {
+  const search = {};
+  if (settings.domains.length) search.domains = settings.domains;
+  if (settings.recency) search.recency = settings.recency;
+  return Object.keys(search).length ? { search } : {};
+}
+
 function openSettings() {
+  $("#set-domains").value = settings.domains.join(", ");
+  $("#set-recency").value = settings.recency;
   $("#set-focus").value = settings.focus;
   $("#set-mode").value = settings.mode;
   $("#set-copilot").checked = settings.copilot;
@@ -736,6 +756,11 @@ function readSettings() {
   settings.mode = $("#set-mode").value;
   settings.copilot = $("#set-copilot").checked;
   settings.media = $("#set-media").checked;
+  settings.domains = $("#set-domains")
+    .value.split(/[\s,]+/)
+    .map((d) => d.trim())
+    .filter(Boolean);
+  settings.recency = $("#set-recency").value;
   settings.theme = $("#set-theme").value;
   settings.transport = $("#set-transport").value;
   saveSettings();

@@ -97,7 +97,8 @@ class FakeSearch:
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
     base_url: str = ""
-    extra: list[dict[str, str]] = field(default_factory=list)  # results put first
+    #: results put first; a "date" is given as the provider gives a publish date
+    extra: list[dict[str, str]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.fail, self.empty, self.search_delay = 0, False, 0.0
@@ -157,6 +158,7 @@ class FakeSearch:
             return failed
         items = [
             {"title": r["title"], "url": r["url"], "content": r["snippet"], "score": 0.5}
+            | ({"published_date": r["date"]} if "date" in r else {})
             for r in self.results()
         ]
         answer: dict[str, Any] = {
@@ -214,6 +216,7 @@ class FakeSearch:
         else:
             items = [
                 {"title": r["title"], "url": r["url"], "content": r["snippet"], "engine": "fake"}
+                | ({"publishedDate": r["date"]} if "date" in r else {})
                 for r in self.results()
             ]
         return JSONResponse({"query": params["q"], "results": items})
