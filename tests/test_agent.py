@@ -369,3 +369,15 @@ async def test_steps_replay_identically_on_resume_from_another_process(
                 tail = await rest(stream)
     assert steps(head) and steps(replayed) == steps(head)
     assert [e.id for e in replayed] == [e.id for e in head + tail]
+
+
+async def test_a_recency_the_model_asks_for_reaches_the_provider(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "latest news", "recency": "week"})],
+        [("done", {})],
+    ]
+    await ask(settings, web())
+    provider, body = fake_search.requests[-1]
+    assert provider == "tavily" and fake_search.queries[-1][1] == "latest news"
+    assert body.get("time_range") == "week" or body.get("days") == 7, body

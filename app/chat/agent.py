@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,7 +36,7 @@ from ..errors import AppError, SearchError
 from ..files.service import FileService
 from ..llm import ChatModel, ToolCall, ToolsUnsupported
 from ..prompts import Prompts
-from ..search.base import SearchFilters, SearchResult, SearchScope
+from ..search.base import RECENCY, SearchFilters, SearchResult, SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
 from .modes import ACADEMIC, DISCUSSIONS
@@ -385,9 +385,20 @@ class Researcher:
         elif isinstance(args.get("site"), str) and args["site"].strip():
             site = args["site"].strip().removeprefix("site:")[:200]
             scope = SearchScope(site, sites=(site,))
-        return await self._search(job, query, scope)
+        filters = job.filters
+        recency = args.get("recency")
+        if recency in RECENCY and not (filters and filters.dated):
+            # the model asked for recent pages; a request's own dates win
+            filters = replace(filters or SearchFilters(), recency=recency)
+        return await self._search(job, query, scope, filters)
 
-    async def _search(self, job: Research, query: str, scope: SearchScope | None) -> str:
+    async def _search(
+        self,
+        job: Research,
+        query: str,
+        scope: SearchScope | None,
+        filters: SearchFilters | None,
+    ) -> str:
         provider = self.web.provider.name
         where = f" ({scope.name})" if scope else ""
         step = job.steps.start(
@@ -401,14 +412,14 @@ class Researcher:
         try:
             async with asyncio.timeout(settings.timeout_seconds):
                 results = await self.web.provider.search(
-                    query, self.web.limit(job.filters), scope, job.filters
+                    query, self.web.limit(filters), scope, filters
                 )
         except (SearchError, TimeoutError) as exc:
             why = getattr(exc, "message", None) or "timed out"
             log.warning("search failed: %s", why)
             job.steps.end(step, f"web search failed ({why})", "failed", results=0)
             return f"the search failed ({why})"
-        results = self.web.keep_to(job.steps.out, results, job.filters)
+        results = self.web.keep_to(job.steps.out, results, filters)
         job.keep(results)
         text = "web search found nothing" if not results else f"found {len(results)} results"
         job.steps.end(step, text, results=len(results))
