@@ -120,6 +120,8 @@ class ReaderSettings:
 
 @dataclass(frozen=True)
 class ResearchSettings:
+    #: the fixed research loop's keys, read no more (deepResearch is the research agent,
+    #: `deep_rounds` and `deep_seconds`): kept so that older config files still load
     max_iterations: int = 3
     time_budget_seconds: float = 120.0
     sub_questions: int = 3
@@ -194,6 +196,8 @@ class StoreSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = field(default="", repr=False)  # it may hold a password
+    #: `url` names a node of a Redis Cluster (any one: the others are discovered)
+    cluster: bool = False
     #: the longest one call may take (connecting, or an answer): a Redis that stops
     #: answering fails like one that refuses
     timeout_seconds: float = 2.0

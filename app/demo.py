@@ -124,11 +124,6 @@ class DemoModel:
                     {"calls": [{"tool": "web_search", "args": {"query": query}}]}
                 ).decode()
             return '{"done": true}'
-        if kind == "research_plan":
-            topic = topic_of(question)
-            return f"what is {topic}\nhistory of {topic}\n{topic} today"
-        if kind == "research_reflect":
-            return "stop"
         if kind == "web_search_select":
             return "<output>0,1,2</output>"
         await asyncio.sleep(self.pace)

@@ -23,7 +23,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import api, config, logs
 from .auth import RateLimiter
-from .chat.research import DeepResearch
 from .chat.service import ChatService
 from .collections.base import open_engine
 from .collections.retrieval import Retriever
@@ -128,9 +127,6 @@ async def open_service(
             ids=ids,
             search=search,
             files=files,
-            research=DeepResearch(
-                settings.research, search=search, files=files, llm=the_llm, prompts=the_prompts
-            ),
             metrics=metrics,
             collections=knowledge,
         )
@@ -172,6 +168,7 @@ def create_app(
                 settings.redis.url,
                 timeout=settings.redis.timeout_seconds,
                 max_connections=settings.redis.max_connections,
+                cluster=settings.redis.cluster,
             )
             if redis is not None:
                 stack.push_async_callback(redis.aclose)

@@ -17,8 +17,6 @@ NAMES = (
     "math_assistant",
     "writing_assistant",
     "translator",
-    "research_plan",
-    "research_reflect",
     "research_report",
     "academic_search",
     "youtube_search",

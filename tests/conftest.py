@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -178,6 +179,148 @@ def redis_url(redis_server: str) -> str:
     client.flushall()
     client.close()
     return redis_server
+
+
+class RedisCluster:
+    """A real Redis Cluster on loopback: `masters` nodes, each with `replicas`
+    replicas, on free ports, no persistence. `url` names its first node (any node
+    would do); `nodes` can be stopped (`kill`) and started again to test failovers."""
+
+    def __init__(self, masters: int = 3, replicas: int = 0) -> None:
+        self.nodes = [
+            RedisServer(
+                port=_cluster_port(),
+                args=("--cluster-enabled", "yes", "--cluster-node-timeout", "1000")
+                + ("--cluster-config-file", "nodes.conf")
+                + ("--cluster-replica-validity-factor", "0"),
+            )
+            for _ in range(masters * (replicas + 1))
+        ]
+        self.replicas = replicas
+        self.url = self.nodes[0].url
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses]
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout: float = 30) -> None:
+        """Until every live node says the cluster is ok and knows every slot's master."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for node in self.nodes:
+                if node.proc is None:
+                    continue
+                with contextlib.suppress(redis.RedisError, OSError):
+                    client = redis.Redis(port=node.port, socket_timeout=1)
+                    try:
+                        states.append(client.cluster("info")["cluster_state"])
+                    finally:
+                        client.close()
+            if states and all(state == "ok" for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster is not ok: {states}")
+            time.sleep(0.1)
+
+    def masters(self) -> list[RedisServer]:
+        """The live nodes that serve slots now."""
+        out = []
+        for node in self.nodes:
+            if node.proc is None:
+                continue
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                if client.info("replication")["role"] == "master":
+                    out.append(node)
+            finally:
+                client.close()
+        return out
+
+    def node_of(self, key: str) -> RedisServer:
+        """The master that serves `key` now."""
+        for node in self.masters():
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                slot = client.cluster("keyslot", key)
+                if any(first <= slot <= last for first, last in _own_slots(client)):
+                    return node
+            finally:
+                client.close()
+        raise LookupError(key)
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        client = redis.Redis(port=master.port, socket_timeout=1)
+        try:
+            replicas = client.info("replication")
+        finally:
+            client.close()
+        port = int(replicas["slave0"]["port"])
+        return next(node for node in self.nodes if node.port == port)
+
+    def flush(self) -> None:
+        for node in self.masters():
+            client = redis.Redis(port=node.port, socket_timeout=2)
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+            shutil.rmtree(node.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+def _own_slots(client: redis.Redis) -> list[tuple[int, int]]:
+    """The slot ranges served by the node `client` talks to."""
+    for node in client.cluster("nodes").values():
+        if "myself" in node["flags"]:
+            return [(int(first), int(last)) for first, last in node["slots"]]
+    return []
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_server() -> Iterator[RedisCluster]:
+    with RedisCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_server: RedisCluster) -> RedisCluster:
+    """The shared three-master Redis Cluster, emptied for this test."""
+    redis_cluster_server.flush()
+    return redis_cluster_server
 
 
 def _pg_binary(name: str) -> str | None:

@@ -15,7 +15,7 @@ from app.main import create_app
 from tests.client import answer_of, chat_body, iter_sse, reasoning_of, rest, sse_chat, wait_for
 from tests.conftest import USER
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import serve
+from tests.servers import processes, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -24,6 +24,7 @@ PLAN_JSON = "Next calls (JSON)"
 
 
 def web(question: str = RELEVANT_QUESTION, mode: str = "balanced", **fields):
+    """A webSearch request (user "1", as `chat_body` names it)."""
     return chat_body(question, focusMode="webSearch", optimizationMode=mode, **fields)
 
 
@@ -336,3 +337,47 @@ async def test_sources_keep_the_search_to_their_kinds(settings, fake_model, fake
 async def test_unknown_sources_are_a_bad_request(client):
     response = await client.post("/api/chat/sse", json=web(sources=["web", "tv"]))
     assert response.status_code == 400 and response.json()["key"] == "BAD_REQUEST"
+
+
+async def test_steps_replay_identically_on_resume_from_another_process(
+    hosts_env, fake_model, fake_search
+):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "one"}), ("web_search", {"query": "two"})],
+        [("done", {})],
+    ]
+    with processes(2, hosts_env) as (a, b):
+        async with httpx.AsyncClient(timeout=30, event_hooks=USER) as http:
+            body = web(chatId="xp1", question=RELEVANT_QUESTION + " #tokens=200 #delay=0.01")
+            async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
+                stream = iter_sse(response)
+                head = []
+                async for event in stream:
+                    if not isinstance(event, str):
+                        head.append(event)
+                        if event.type == "message" and event.data["data"]:
+                            break  # the answer is being written: every step is behind it
+                answer = head[-1].id.split(":")[0]
+                async with http.stream(
+                    "GET",
+                    b.url + "/api/chat/sse/resume",
+                    params={"chatId": "xp1"},
+                    headers={"Last-Event-ID": f"{answer}:0"},
+                ) as other:
+                    replayed = [e async for e in iter_sse(other) if not isinstance(e, str)]
+                tail = await rest(stream)
+    assert steps(head) and steps(replayed) == steps(head)
+    assert [e.id for e in replayed] == [e.id for e in head + tail]
+
+
+async def test_a_recency_the_model_asks_for_reaches_the_provider(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "latest news", "recency": "week"})],
+        [("done", {})],
+    ]
+    await ask(settings, web())
+    provider, body = fake_search.requests[-1]
+    assert provider == "tavily" and fake_search.queries[-1][1] == "latest news"
+    assert body.get("time_range") == "week" or body.get("days") == 7, body

@@ -565,9 +565,9 @@ def test_a_reopened_failed_answer_still_says_why(page, fake_model):
 
 
 def test_deep_research_steps_stay_after_the_answer(page, fake_model, fake_search):
-    fake_model.replies[:0] = [
-        ("plan web research", "methane engines\nraptor vs be-4"),
-        ("review web research", "stop"),
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "methane engines"}), ("web_search", {"query": "raptor"})],
+        [("done", {})],
     ]
     ask(page, "compare methane rocket engines", focus="deepResearch")
     wait_state(page, "completed", timeout=20_000)
@@ -576,8 +576,8 @@ def test_deep_research_steps_stay_after_the_answer(page, fake_model, fake_search
     assert "steps" in steps.locator("summary").inner_text()
     steps.locator("summary").click()
     texts = steps.locator("li").all_inner_texts()
-    assert "planning the research" in texts
-    assert any(t.startswith("iteration 1") for t in texts)
+    assert "round 1 of 25" in texts
+    assert "searching the web: raptor" in texts
     page.reload()  # the chat reopens from the store (#chat=…), its steps with it
     reopened = page.locator(".turn .steps")
     reopened.wait_for()

@@ -398,19 +398,21 @@ async def test_a_collection_is_asked_over_sse_websocket_v1_and_deep_research(
     )
     assert unknown.status_code == 400
 
-    fake_model.replies[:0] = [
-        (
-            "plan web research",
-            f"{DOCUMENTS[3].attribute} of {DOCUMENTS[3].entity}\n{question.text}",
-        ),
-        ("review web research", "stop"),
+    fake_model.tool_rounds[:] = [
+        [
+            ("search_collection", {"query": f"{DOCUMENTS[3].attribute} of {DOCUMENTS[3].entity}"}),
+            ("search_collection", {"query": question.text}),
+            ("web_search", {"query": question.text}),
+        ],
+        [("done", {})],
     ]
     events = await sse_chat(
         http, chat_body("write a report", focusMode="deepResearch", collections=[corpus["id"]])
     )
-    steps = [e.data["data"] for e in events if e.type == "progress"]
-    assert "iteration 1: searching your collections" in steps
-    assert "iteration 1: enough found; writing the report" in steps
+    steps = [e.data for e in events if e.type == "progress"]
+    searched = [s["step"] for s in steps if s.get("step", {}).get("kind") == "collection"]
+    assert len([s for s in searched if s["status"] == "done"]) == 2
+    assert "round 2: enough found" in [s["data"] for s in steps]
     sources = next(e for e in events if e.type == "sources").data["data"]
     titles = {s["metadata"]["title"] for s in sources if s["metadata"].get("collectionId")}
     assert {expected.title, DOCUMENTS[3].title} <= titles

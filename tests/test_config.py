@@ -40,6 +40,7 @@ def test_file_then_environment(tmp_path):
         "LLM_SMALL_MODEL": "small",
         "LLM_TIMEOUT_SECONDS": "1.5",
         "REDIS_URL": "redis://127.0.0.1:1/0",
+        "REDIS_CLUSTER": "true",
         "SERVER_CORS_ORIGINS": "https://x, https://y",
         "READER_ALLOW_PRIVATE_NETWORKS": "false",
         "AUTH_API_KEYS": "key1:user1,key2:22",
@@ -50,6 +51,7 @@ def test_file_then_environment(tmp_path):
     assert (settings.llm.model, settings.llm.effective_small_model) == ("other", "small")
     assert settings.llm.timeout_seconds == 1.5
     assert settings.redis.url == "redis://127.0.0.1:1/0"
+    assert settings.redis.cluster is True
     assert settings.server.cors_origins == ("https://x", "https://y")
     assert settings.reader.allow_private_networks is False
     assert dict(settings.auth.api_keys) == {"key1": "user1", "key2": "22"}

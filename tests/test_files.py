@@ -142,14 +142,18 @@ async def test_a_follow_up_uses_the_chats_files_without_sending_them_again(http,
     assert chat["files"] == [{"fileId": file_id, "name": "atlas.pdf"}]
 
 
-async def test_deep_research_searches_the_files_in_every_iteration(http, fake_model, fake_search):
-    fake_model.replies.insert(0, ("research plan", "lighthouse storms\nkiln glaze"))
+async def test_deep_research_searches_the_files_in_its_rounds(http, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [
+        [("search_files", {"query": "lighthouse storms"}), ("web_search", {"query": "kiln"})],
+        [("search_files", {"query": "kiln glaze"})],
+        [("done", {})],
+    ]
     fake_model.replies.insert(0, ("Decide", "orchard apples"))
     file_id = (await upload(http, "atlas.pdf", make_pdf())).json()["files"][0]["fileId"]
     body = chat_body("tell me everything", files=[file_id], focusMode="deepResearch")
     events = await sse_chat(http, body)
     progress = [e.data["data"] for e in events if e.type == "progress"]
-    assert sum("searching your files" in p for p in progress) >= 2  # two iterations
+    assert sum(p.startswith("searching your files: ") for p in progress) >= 2  # two rounds
     sources = next(e for e in events if e.type == "sources").data["data"]
     pages = {s["metadata"].get("page") for s in sources if s["metadata"].get("fileId")}
     assert {1, 2, 3} <= pages

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
@@ -17,9 +18,10 @@ import redis.asyncio as aioredis
 from app.errors import Conflict
 from app.protocol import Event
 from app.streams import Handle, StreamHub, open_redis
+from app.streams import rediskeys as keys
 from app.streams.memory import MemoryHub
 from app.streams.redis import RedisHub
-from tests.conftest import RedisServer
+from tests.conftest import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -38,28 +40,52 @@ def events(h: Handle, types: list[str]) -> list[Event]:
     return [Event(t, h.chat_id, h.answer_id, {"data": f"d{i}"}, i + 1) for i, t in enumerate(types)]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["redis", "cluster"])
+def target(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """One Redis, or a three-master Redis Cluster: its URL and whether it is a cluster."""
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url, True
+    return request.getfixturevalue("redis_url"), False
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def hubs(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StreamHub, StreamHub]]:
     if request.param == "memory":
         hub = MemoryHub(replay_ttl=5)
         async with hub:
             yield hub, hub
         return
-    url = request.getfixturevalue("redis_url")
-    async with redis_hub(url, handle_ttl=1.5) as a, redis_hub(url, handle_ttl=1.5) as b:
+    if request.param == "cluster":
+        url, cluster = request.getfixturevalue("redis_cluster").url, True
+    else:
+        url, cluster = request.getfixturevalue("redis_url"), False
+    async with (
+        redis_hub(url, cluster, handle_ttl=1.5) as a,
+        redis_hub(url, cluster, handle_ttl=1.5) as b,
+    ):
         yield a, b
 
 
 @contextlib.asynccontextmanager
-async def redis_hub(url: str, **options: float) -> AsyncIterator[RedisHub]:
+async def redis_hub(url: str, cluster: bool = False, **options: float) -> AsyncIterator[RedisHub]:
     """A Redis hub on a client of its own, as another process would have."""
     options = {"replay_ttl": 5, "flush_interval": 0.01, "max_generation_seconds": 60, **options}
-    client = open_redis(url)
+    client = open_redis(url, cluster=cluster)
     try:
         async with RedisHub(client, **options) as hub:
             yield hub
     finally:
         await client.aclose()
+
+
+async def calls(client: Any, command: str) -> int:
+    """How many times the Redis (every master of a cluster) ran `command`."""
+    if isinstance(client, aioredis.RedisCluster):
+        found = await client.info("commandstats", target_nodes=aioredis.RedisCluster.PRIMARIES)
+        stats = list(found.values())
+    else:
+        stats = [await client.info("commandstats")]
+    return sum(s.get(f"cmdstat_{command}", {}).get("calls", 0) for s in stats)
 
 
 async def collect(hub: StreamHub, h: Handle, after: int = 0, timeout: float = 5) -> list[Event]:
@@ -140,14 +166,14 @@ async def test_live_readers_get_every_event_once_in_order(hubs):
         assert [e.seq for e in await reader] == list(range(1, 301))
 
 
-async def test_redis_generation_lost_with_its_process_ends_with_an_error(redis_url):
+async def test_redis_generation_lost_with_its_process_ends_with_an_error(target):
     h = handle()
-    async with redis_hub(redis_url, handle_ttl=0.5) as dead:
+    async with redis_hub(*target, handle_ttl=0.5) as dead:
         log = await dead.register(h, lambda: None)
         for e in events(h, ["message", "message"]):
             log.append(e)
     # the process is gone: its events were written, nobody refreshes its claim
-    async with redis_hub(redis_url, handle_ttl=0.5) as other:
+    async with redis_hub(*target, handle_ttl=0.5) as other:
         got = await collect(other, await other.find("100"), timeout=10)
         assert [e.seq for e in got] == [1, 2, 3]
         assert got[-1].type == "error"
@@ -170,91 +196,126 @@ async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
             await cancelled.wait()  # picked up by the heartbeat
 
 
-async def test_redis_batches_many_events_into_few_commands(redis_url):
-    async with redis_hub(redis_url, flush_interval=0.05, handle_ttl=15) as owner:
+async def test_redis_batches_many_events_into_few_commands(target):
+    async with redis_hub(*target, flush_interval=0.05, handle_ttl=15) as owner:
         h = handle()
         log = await owner.register(h, lambda: None)
         for i in range(1, 1001):
             log.append(Event("message", "1", "100", {"data": "x"}, i))
         await asyncio.sleep(0.2)
-        assert 1 <= await owner.redis.xlen(f"sc:journal:{owner.token}") <= 5
-        assert await owner.redis.xlen("sc:log:100") <= 1  # written every 2 s and at the end
+        assert 1 <= await owner.redis.xlen(keys.journal(owner.token)) <= 5
+        assert await owner.redis.xlen(keys.log("100")) <= 1  # written every 2 s and at the end
 
 
-async def xadds(client: aioredis.Redis) -> int:
-    return (await client.info("commandstats")).get("cmdstat_xadd", {}).get("calls", 0)
+async def entries_added(client: Any, key: str) -> int:
+    """How many entries a stream has had (trimmed ones too)."""
+    return int((await client.xinfo_stream(key))["entries-added"])
 
 
-async def test_redis_paced_generations_share_one_journal_entry_per_flush(redis_url):
-    """Twenty generations at a model's pace: one XADD per flush for all of them (not
-    one each), their logs written at their ends, and a reader elsewhere gets every
-    event of each, in order."""
+async def test_redis_paced_generations_share_one_journal_entry_per_flush(target):
+    """Twenty generations at a model's pace: one journal entry per commit for all of
+    them (not one each), their logs written at their ends and — for the five followed
+    from another process — at every commit; each follower gets every event of its
+    answer, in order."""
     async with (
-        redis_hub(redis_url, flush_interval=0.05, handle_ttl=15) as owner,
-        redis_hub(redis_url, handle_ttl=15) as other,
+        redis_hub(*target, flush_interval=0.05, handle_ttl=15) as owner,
+        redis_hub(*target, handle_ttl=15) as other,
     ):
         hs = [handle(chat=str(c), answer=str(500 + c)) for c in range(20)]
         logs = [await owner.register(h, lambda: None) for h in hs]
         readers = [asyncio.create_task(collect(other, h)) for h in hs[:5]]
-        before = await xadds(owner.redis)
+        await asyncio.sleep(0.2)  # they follow
+        before = await calls(owner.redis, "xadd")
         for i in range(1, 41):  # 40 events each, 25 ms apart: about a second
             for h, log in zip(hs, logs, strict=True):
                 log.append(Event("message", h.chat_id, h.answer_id, {"data": str(i)}, i))
             await asyncio.sleep(0.025)
         for h in hs:
             await owner.finish(h, Event("messageEnd", h.chat_id, h.answer_id, {}, 41))
-        written = await xadds(owner.redis) - before
-        # per generation per flush would be 20 × ~20; here ~20 journal entries, one
-        # entry at each end and one log entry each
-        assert written <= 20 * 3 + 30, written
+        written = await calls(owner.redis, "xadd") - before
+        commits = await entries_added(owner.redis, keys.journal(owner.token))
+        # ~40 commits: each one journal entry, plus a log entry for each followed
+        # answer; per generation per commit would be 20 × 40
+        assert commits <= 60, commits
+        assert written <= commits * 6 + 20 * 3, (written, commits)
+        for h in hs[5:]:  # not followed: written every 2 s and at the end
+            assert await entries_added(owner.redis, keys.log(h.answer_id)) <= 2
         for reader in readers:
             got = await reader
             assert [e.seq for e in got] == list(range(1, 42))
             assert got[-1].type == "messageEnd"
         for h in hs:  # every log whole, without the journal
-            entries = await owner.redis.xrange(f"sc:log:{h.answer_id}")
+            entries = await owner.redis.xrange(keys.log(h.answer_id))
             seqs = sorted({seq for _, f in entries for seq, *_ in orjson.loads(f[b"e"])})
             assert seqs == list(range(1, 42))
 
 
-async def test_redis_a_reader_behind_the_trimmed_journal_reads_the_log(redis_url, monkeypatch):
-    """The journal keeps only what the logs do not have yet: a reader that stops
-    pulling while the owner writes on finds its place trimmed away, and goes on from
-    the log with nothing missing or twice."""
-    monkeypatch.setattr("app.streams.redis.CHECKPOINT_SECONDS", 0.02)
+async def test_redis_a_follower_reads_its_answer_not_the_owners_journal(target):
+    """A follower's traffic grows with its own answer's events: with 50 busy
+    generations on the owner, following one of them reads about what that one wrote
+    (its log), never the owner's journal."""
     async with (
-        redis_hub(redis_url, flush_interval=0.01, handle_ttl=15) as owner,
-        redis_hub(redis_url, handle_ttl=15) as other,
+        redis_hub(*target, flush_interval=0.01, handle_ttl=15) as owner,
+        redis_hub(*target, handle_ttl=15) as other,
     ):
-        gathered = 0
-        gather = other._gather
+        hs = [handle(chat=str(c), answer=str(700 + c)) for c in range(50)]
+        logs = [await owner.register(h, lambda: None) for h in hs]
+        followed = hs[0]
+        read = 0
+        xread = other.blocking.xread
 
-        async def counted(h):
-            nonlocal gathered
-            gathered += 1
-            return await gather(h)
+        async def counted(streams, **options):
+            nonlocal read
+            assert list(streams) == [keys.log(followed.answer_id)]
+            found = await xread(streams, **options)
+            read += sum(
+                len(entry_id) + sum(len(f) + len(v) for f, v in fields.items())
+                for _key, entries in found or ()
+                for entry_id, fields in entries
+            )
+            return found
 
-        other._gather = counted  # type: ignore[method-assign]
+        other.blocking.xread = counted  # type: ignore[method-assign]
+        reader = asyncio.create_task(collect(other, followed, timeout=20))
+        text = "x" * 20
+        for i in range(1, 81):
+            for h, log in zip(hs, logs, strict=True):
+                log.append(Event("message", h.chat_id, h.answer_id, {"data": text}, i))
+            await asyncio.sleep(0.01)
+        for h in hs:
+            await owner.finish(h, Event("messageEnd", h.chat_id, h.answer_id, {}, 81))
+        got = await reader
+        assert [e.seq for e in got] == list(range(1, 82))
+        own = len(orjson.dumps([[e.seq, e.type, e.data, e.ts] for e in got]))
+        # the owner wrote 50 times as much; the follower read its own answer, with
+        # the framing of each entry
+        assert read < own * 4, (read, own)
+
+
+async def test_redis_a_follower_that_starts_late_catches_up_from_the_log(target, monkeypatch):
+    """What the owner's journal holds of an answer reaches its log once someone
+    follows it, at once (not at the next checkpoint)."""
+    monkeypatch.setattr("app.streams.redis.CHECKPOINT_SECONDS", 30)
+    async with (
+        redis_hub(*target, flush_interval=0.01, handle_ttl=15) as owner,
+        redis_hub(*target, handle_ttl=15) as other,
+    ):
         h = handle(chat="9", answer="900")
         log = await owner.register(h, lambda: None)
-        log.append(Event("message", "9", "900", {"data": "0"}, 1))
-        reader = other.subscribe(await other.find("900"), 0)
-        got = list(await anext(reader))
-        journal = f"sc:journal:{owner.token}"
-        first_entry = (await owner.redis.xrange(journal))[0][0]
-        for i in range(2, 102):
+        for i in range(1, 11):
             log.append(Event("message", "9", "900", {"data": str(i)}, i))
-            await asyncio.sleep(0.005)
         await asyncio.sleep(0.1)
-        entries = await owner.redis.xrange(journal)
-        assert entries and entries[0][0] > first_entry  # trimmed past where the reader was
-        assert len(entries) < 20
-        await owner.finish(h, Event("messageEnd", "9", "900", {}, 102))
+        assert await owner.redis.xlen(keys.log("900")) == 0  # in the journal only
+        reader = other.subscribe(await other.find("900"), 3)
+        async with asyncio.timeout(1.5):
+            got = list(await anext(reader))
+        assert [e.seq for e in got] == list(range(4, 11))
+        log.append(Event("message", "9", "900", {"data": "11"}, 11))
+        await owner.finish(h, Event("messageEnd", "9", "900", {}, 12))
         async with asyncio.timeout(5):
             async for batch in reader:
                 got.extend(batch)
-        assert [e.seq for e in got] == list(range(1, 103))
-        assert gathered == 2  # at the start, and once at the gap
+        assert [e.seq for e in got] == list(range(4, 13))
 
 
 async def test_redis_a_reader_gets_what_was_written_again_after_redis_lost_it():
@@ -294,19 +355,19 @@ async def test_redis_a_reader_gets_what_was_written_again_after_redis_lost_it():
             assert got[-1].type == "messageEnd"
 
 
-async def test_redis_a_claim_taken_by_another_generation_is_reported(redis_url, caplog):
-    async with redis_hub(redis_url, handle_ttl=1.2) as owner:
+async def test_redis_a_claim_taken_by_another_generation_is_reported(target, caplog):
+    async with redis_hub(*target, handle_ttl=1.2) as owner:
         h = handle(chat="5", answer="500")
         await owner.register(h, lambda: None)
         other = orjson.dumps(
-            {**orjson.loads(await owner.redis.get("sc:run:5")), "answer_id": "501"}
+            {**orjson.loads(await owner.redis.get(keys.run("5"))), "answer_id": "501"}
         )
-        await owner.redis.set("sc:run:5", other, px=1200)  # as if it had expired and been taken
+        await owner.redis.set(keys.run("5"), other, px=1200)  # as if it had expired and been taken
         await owner.beat()
         await asyncio.sleep(owner.claim_refresh)
         await owner.beat()
         assert "claimed by another generation while 500 runs here" in caplog.text
-        assert await owner.redis.get("sc:run:5") == other  # left as it is
+        assert await owner.redis.get(keys.run("5")) == other  # left as it is
 
 
 async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
@@ -332,7 +393,7 @@ async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
                 await stall
 
                 async def written():  # what Redis has, not this process's copy
-                    entries = await admin.xrange("sc:log:100")
+                    entries = await admin.xrange(keys.log("100"))
                     kinds = {
                         seq: kind for _, f in entries for seq, kind, *_ in orjson.loads(f[b"e"])
                     }
@@ -346,3 +407,44 @@ async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
         finally:
             await client.aclose()
             await admin.aclose()
+
+
+async def test_cluster_a_master_killed_mid_stream_loses_nothing():
+    """A three-master cluster with a replica each: the master that holds a running
+    answer's log and its chat's claim is killed mid-stream and its replica promoted;
+    the owner writes on, the follower on another process gets every event once and
+    the end, and the chat stays claimed by its generation."""
+    with RedisCluster(replicas=1) as cluster:
+        async with (
+            redis_hub(cluster.url, True, flush_interval=0.01, handle_ttl=3) as owner,
+            redis_hub(cluster.url, True, handle_ttl=3) as other,
+        ):
+            h = handle(chat="31", answer="3100")
+            log = await owner.register(h, lambda: None)
+            reader = asyncio.create_task(collect(other, h, timeout=40))
+            master = cluster.node_of(keys.log(h.answer_id))
+            replica = cluster.replica_of(master)
+
+            async def write() -> None:
+                for i in range(1, 301):
+                    log.append(Event("message", "31", "3100", {"data": str(i)}, i))
+                    await asyncio.sleep(0.02)
+
+            writer = asyncio.create_task(write())
+            await asyncio.sleep(1.0)
+            master.proc.kill()  # type: ignore[union-attr]
+            master.proc.wait()  # type: ignore[union-attr]
+            master.proc = None
+            for _ in range(200):  # the replica sees its master fail and takes over
+                if replica in await asyncio.to_thread(cluster.masters):
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(cluster.wait_ok)
+            await writer
+            assert (await other.lookup("31")) == h
+            assert (await other.find("3100")) == h  # on the promoted replica
+            await owner.finish(h, Event("messageEnd", "31", "3100", {"status": "completed"}, 301))
+            got = await reader
+            assert [e.seq for e in got] == list(range(1, 302))
+            assert got[-1].type == "messageEnd"
+            assert [e.seq for e in await other.logged("3100")] == list(range(1, 302))

@@ -17,9 +17,16 @@ from tests.servers import processes
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def pair(tmp_path, redis_url, model_url):
+@pytest.fixture(params=["redis", "cluster"])
+def pair(request, tmp_path, model_url):
+    """Two server processes on one Redis, or on a three-master Redis Cluster."""
+    cluster = request.param == "cluster"
+    if cluster:
+        redis_url = request.getfixturevalue("redis_cluster").url
+    else:
+        redis_url = request.getfixturevalue("redis_url")
     env = {
+        "REDIS_CLUSTER": "true" if cluster else "false",
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-chat",

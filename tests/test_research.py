@@ -1,8 +1,8 @@
-"""deepResearch: plan, iterate, reflect, stop; bounded; deduplicated; cancellable."""
+"""deepResearch: the research agent with the largest budget — rounds until done,
+bounded by rounds and time, deduplicated, degrading, cancellable, its steps shown."""
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import httpx
@@ -16,8 +16,6 @@ from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
 
-PLAN = "plan web research"
-REFLECT = "review web research"
 QUESTION = "compare rocket engines that burn methane"
 
 
@@ -29,86 +27,80 @@ def progress(events):
     return [e.data["data"] for e in events if e.type == "progress"]
 
 
+def rounds(events):
+    return [
+        e.data["step"]
+        for e in events
+        if e.type == "progress" and e.data.get("step", {}).get("kind") == "round"
+    ]
+
+
 async def run(server, body):
     async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
         return await sse_chat(client, body), client
 
 
-async def test_research_plans_iterates_and_stops_when_the_model_says_so(
+async def test_research_runs_rounds_and_stops_when_the_model_says_so(
     settings, fake_model, fake_search
 ):
-    fake_model.replies[:0] = [(PLAN, "methane engines list\nraptor vs be-4"), (REFLECT, "stop")]
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "methane engines list"}), ("web_search", {"query": "raptor"})],
+        [("done", {})],
+    ]
     with serve(create_app(settings)) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
             events = await sse_chat(client, research_body(chatId="800", messageId="801"))
             saved = (await client.get("/sources/801")).json()["sources"]
-    steps = progress(events)
-    assert "iteration 1: searching 2 sub-questions" in steps
-    assert "iteration 1: enough found; writing the report" in steps
-    assert not any(s.startswith("iteration 2") for s in steps)
-    assert sorted(q for _, q in fake_search.queries) == ["methane engines list", "raptor vs be-4"]
+    steps = rounds(events)
+    assert [s["of"] for s in steps] == [25] * len(steps)  # the deep budget, not speed's
+    assert "round 2: enough found" in progress(events)
+    assert sorted(q for _, q in fake_search.queries) == ["methane engines list", "raptor"]
     types = [e.type for e in events]
     assert types.count("sources") == 1
     assert types.index("sources") < types.index("message")
     sources = next(e for e in events if e.type == "sources").data["data"]
     urls = [s["metadata"]["url"] for s in sources[:-1]]
-    assert len(urls) == len(set(urls))  # both sub-questions found the same pages: sent once
+    assert len(urls) == len(set(urls))  # both searches found the same pages: sent once
     assert len(saved) == len(urls)
     system = fake_model.last_system_prompt()
-    assert "research analyst" in system and "FULLTEXT-" in system
-    reflect = next(r for r in fake_model.requests if REFLECT in r["messages"][0]["content"])
-    assert "raptor vs be-4" in reflect["messages"][0]["content"]
-    assert events[-1].data["status"] == "completed"
+    assert "research analyst" in system and "FULLTEXT-" in system  # the report, pages read
 
 
-async def test_research_stops_at_max_iterations(settings, fake_model, fake_search):
-    counter = itertools.count(1)
-    fake_model.replies[:0] = [
-        (PLAN, "first angle"),
-        (REFLECT, lambda _prompt: f"new angle {next(counter)}"),
-    ]
-    with serve(create_app(settings.replace(research={"max_iterations": 3}))) as server:
+async def test_research_stops_at_its_rounds(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [[("web_search", {"query": f"angle {i}"})] for i in range(10)]
+    with serve(create_app(settings.replace(research={"deep_rounds": 3}))) as server:
         events, _ = await run(server, research_body())
-    steps = progress(events)
-    assert [s for s in steps if "sub-question" in s] == [
-        "iteration 1: searching 1 sub-question",
-        "iteration 2: searching 1 sub-question",
-        "iteration 3: searching 1 sub-question",
-    ]
-    assert len(fake_search.queries) == 3
-    assert (
-        sum(REFLECT in r["messages"][0]["content"] for r in fake_model.requests if "messages" in r)
-        == 2
-    )
+    assert len(fake_model.tool_requests()) == 3
+    assert [q for _, q in fake_search.queries] == ["angle 0", "angle 1", "angle 2"]
     assert len(next(e for e in events if e.type == "sources").data["data"]) <= RESULT_COUNT + 1
     assert events[-1].data["status"] == "completed"
 
 
 async def test_research_respects_its_time_budget(settings, fake_model, fake_search):
-    fake_model.replies[:0] = [(PLAN, "slow one\nslow two"), (REFLECT, "more")]
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "slow one"})]] * 5
     fake_search.search_delay = 5.0
-    with serve(create_app(settings.replace(research={"time_budget_seconds": 1.0}))) as server:
+    with serve(create_app(settings.replace(research={"deep_seconds": 1.0}))) as server:
         started = time.monotonic()
         events, _ = await run(server, research_body())
         elapsed = time.monotonic() - started
     assert elapsed < 3.5
-    assert any("time budget reached" in s for s in progress(events))
     assert "answering without sources" in progress(events)
     assert events[-1].data["status"] == "completed"  # still a report, from the model alone
 
 
-async def test_failing_searches_inside_an_iteration_degrade(settings, fake_model, fake_search):
-    fake_model.replies[:0] = [(PLAN, "one\ntwo"), (REFLECT, "stop")]
+async def test_failing_searches_inside_a_round_degrade(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "one"}), ("web_search", {"query": "two"})]
+    ]
     fake_search.fail = 500
     with serve(create_app(settings)) as server:
         events, _ = await run(server, research_body())
-    steps = progress(events)
-    assert any(s.startswith("iteration 1: web search failed") for s in steps)
+    assert any(s.startswith("web search failed") for s in progress(events))
     assert events[-1].data["status"] == "completed"
 
 
-async def test_research_can_be_cancelled_mid_iteration(settings, fake_model, fake_search):
-    fake_model.replies[:0] = [(PLAN, "slow one\nslow two")]
+async def test_research_can_be_cancelled_mid_round(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "slow one"})]]
     fake_search.search_delay = 5.0
     with serve(create_app(settings)) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
@@ -119,7 +111,7 @@ async def test_research_can_be_cancelled_mid_iteration(settings, fake_model, fak
                 lines = []
                 async for line in response.aiter_lines():
                     lines.append(line)
-                    if "iteration 1: searching 2 sub-questions" in line:
+                    if "searching the web: slow one" in line:
                         cancel = await client.post(
                             "/api/chat/cancel", json={"chatId": "810", "userId": "1"}
                         )
@@ -131,19 +123,15 @@ async def test_research_can_be_cancelled_mid_iteration(settings, fake_model, fak
     assert fake_model.streamed_requests() == []  # never reached the report
 
 
-async def test_research_in_the_simple_format_shows_its_iterations(
-    settings, fake_model, fake_search
-):
-    fake_model.replies[:0] = [(PLAN, "a\nb\nc"), (REFLECT, "stop")]
+async def test_research_in_the_simple_format_shows_its_rounds(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [[("web_search", {"query": q}) for q in "abc"], [("done", {})]]
     with serve(create_app(settings)) as server:
         events, _ = await run(server, research_body(format="simple"))
     messages = [e.data for e in events]
     assert messages[0]["type"] == "start"
-    infos = [
-        m["content"]
-        for m in messages
-        if m["type"] == "info" and m["metadata"]["kind"] == "progress"
-    ]
-    assert "iteration 1: searching 3 sub-questions" in infos
+    infos = [m for m in messages if m["type"] == "info" and m["metadata"]["kind"] == "progress"]
+    assert "round 1 of 25" in [m["content"] for m in infos]
+    kinds = [m["metadata"]["step"]["kind"] for m in infos if "step" in m["metadata"]]
+    assert kinds.count("search") == 6  # three searches, each started and done
     assert any(m["metadata"].get("kind") == "sources" for m in messages)
     assert messages[-1]["type"] == "complete"

@@ -4,6 +4,7 @@ within its optimization mode's budget, and every step is streamed.
     speed      one search of the (standalone) question: no model call before the answer
     balanced   up to `research.balanced_rounds` rounds, `balanced_seconds`
     quality    up to `research.quality_rounds` rounds, `quality_seconds`
+    deep       deepResearch: up to `research.deep_rounds` rounds, `deep_seconds`
 
 A round is one model call that asks for tools — `web_search`, `academic_search`,
 `discussion_search`, `read_url`, `search_files`, `search_collection`, `done` — and
@@ -22,7 +23,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,7 +36,7 @@ from ..errors import AppError, SearchError
 from ..files.service import FileService
 from ..llm import ChatModel, ToolCall, ToolsUnsupported
 from ..prompts import Prompts
-from ..search.base import SearchFilters, SearchResult, SearchScope
+from ..search.base import RECENCY, SearchFilters, SearchResult, SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
 from .modes import ACADEMIC, DISCUSSIONS
@@ -223,7 +224,8 @@ class Researcher:
             if not job.reads and web and loop.time() < job.deadline:
                 # the model read nothing: ranked and read as the mode does without it
                 others = [r for r in found[len(pinned) :] if not r.url.startswith("http")]
-                refined = await self.web.refine(out, job.question, mode, web, job.deadline)
+                how = "quality" if mode == "deep" else mode  # deep research reads like quality
+                refined = await self.web.refine(out, job.question, how, web, job.deadline)
                 return [*pinned, *refined, *others]
         return list(job.found.values())
 
@@ -383,9 +385,20 @@ class Researcher:
         elif isinstance(args.get("site"), str) and args["site"].strip():
             site = args["site"].strip().removeprefix("site:")[:200]
             scope = SearchScope(site, sites=(site,))
-        return await self._search(job, query, scope)
+        filters = job.filters
+        recency = args.get("recency")
+        if recency in RECENCY and not (filters and filters.dated):
+            # the model asked for recent pages; a request's own dates win
+            filters = replace(filters or SearchFilters(), recency=recency)
+        return await self._search(job, query, scope, filters)
 
-    async def _search(self, job: Research, query: str, scope: SearchScope | None) -> str:
+    async def _search(
+        self,
+        job: Research,
+        query: str,
+        scope: SearchScope | None,
+        filters: SearchFilters | None,
+    ) -> str:
         provider = self.web.provider.name
         where = f" ({scope.name})" if scope else ""
         step = job.steps.start(
@@ -399,14 +412,14 @@ class Researcher:
         try:
             async with asyncio.timeout(settings.timeout_seconds):
                 results = await self.web.provider.search(
-                    query, self.web.limit(job.filters), scope, job.filters
+                    query, self.web.limit(filters), scope, filters
                 )
         except (SearchError, TimeoutError) as exc:
             why = getattr(exc, "message", None) or "timed out"
             log.warning("search failed: %s", why)
             job.steps.end(step, f"web search failed ({why})", "failed", results=0)
             return f"the search failed ({why})"
-        results = self.web.keep_to(job.steps.out, results, job.filters)
+        results = self.web.keep_to(job.steps.out, results, filters)
         job.keep(results)
         text = "web search found nothing" if not results else f"found {len(results)} results"
         job.steps.end(step, text, results=len(results))

@@ -46,7 +46,6 @@ from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, steps_of
 from .modes import MODES, PLAIN_PROMPT, SourceJob, WebSources
-from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
@@ -66,7 +65,6 @@ class Services:
     llm: ChatModel
     prompts: Prompts
     search: WebSearch
-    research: DeepResearch
     researcher: Researcher
     files: FileService
     store: Store
@@ -317,7 +315,7 @@ class Generation:
             results = await svc.researcher.find_sources(
                 self.out,
                 question,
-                req.optimization_mode,
+                mode.sources.budget or req.optimization_mode,
                 kinds=self.decision.sources,
                 scope=mode.sources.scope,
                 urls=self.decision.urls,
@@ -326,9 +324,7 @@ class Generation:
                 filters=req.search,
             )
         elif web and mode.sources is not None:
-            job = SourceJob(
-                self.out, question, req, svc.search, svc.research, self.files, self.collections
-            )
+            job = SourceJob(self.out, question, req, svc.search, self.files, self.collections)
             results = await mode.sources.find(job)
         own_search = mode.sources is not None and mode.sources.reads_files
         if self.files and not own_search:

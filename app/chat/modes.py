@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from ..search.base import SearchResult
     from ..search.web import Progress, WebSearch
     from ..store import FileRecord
-    from .research import DeepResearch
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +32,6 @@ class SourceJob:
     question: str
     request: ChatRequest
     web: WebSearch
-    research: DeepResearch
     files: list[FileRecord]
     collections: CollectionSearch | None = None
 
@@ -56,8 +54,11 @@ class Sources(abc.ABC):
 
 
 class WebSources(Sources):
-    """Web search — all of it, or kept to `scope` — ranked and read by the request's
-    optimization mode; off with copilot off."""
+    """Web search — all of it, or kept to `scope` — by the research agent, within the
+    request's optimization mode's budget (or `budget`'s); off with copilot off."""
+
+    #: the research budget it spends (None: the request's optimization mode)
+    budget: str | None = None
 
     def __init__(self, scope: SearchScope | None = None) -> None:
         self.scope = scope
@@ -75,16 +76,15 @@ class WebSources(Sources):
         )
 
 
-class ResearchSources(Sources):
-    """The deepResearch loop: plan, search sub-questions (on the web, in the request's
-    files and in its collections), reflect, repeat."""
+class ResearchSources(WebSources):
+    """deepResearch: the research agent with the largest budget (`research.deep_rounds`,
+    `deep_seconds`), on the web, the request's files and its collections, whatever the
+    optimization mode; it writes a report."""
 
-    reads_files = True
+    budget = "deep"
 
-    async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.research.find_sources(
-            job.out, job.question, job.files, job.collections, filters=job.request.search
-        )
+    def applies(self, request: ChatRequest) -> bool:
+        return True
 
 
 @dataclass(frozen=True, slots=True)

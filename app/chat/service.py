@@ -42,7 +42,6 @@ from .agent import Researcher
 from .generation import Generation, Services
 from .history import TITLE_MAX_CHARS, stored_history, suggest
 from .keeper import AnswerKeeper
-from .research import DeepResearch
 
 log = logging.getLogger("app.chat")
 
@@ -62,7 +61,6 @@ class ChatService:
         prompts: Prompts,
         ids: Snowflake,
         search: WebSearch,
-        research: DeepResearch,
         files: FileService,
         metrics: Metrics,
         collections: CollectionService | None = None,
@@ -89,7 +87,6 @@ class ChatService:
             llm=llm,
             prompts=prompts,
             search=search,
-            research=research,
             researcher=Researcher(settings, llm=llm, prompts=prompts, web=search, files=files),
             files=files,
             store=store,

@@ -82,8 +82,14 @@ class SignInThrottle:
     async def _read(self, keys: list[str]) -> list[int]:
         if self.redis is not None:
             try:
-                async with asyncio.timeout(REDIS_SECONDS):
-                    values = await self.redis.mget(keys)
+                # one GET each, not MGET: on a Redis Cluster the keys are in other slots
+                async with (
+                    asyncio.timeout(REDIS_SECONDS),
+                    self.redis.pipeline(transaction=False) as pipe,
+                ):
+                    for key in keys:
+                        pipe.get(key)
+                    values = await pipe.execute()
                 return [int(v or 0) for v in values]
             except (RedisError, OSError, TimeoutError):
                 pass  # Redis is away: this process's own count still holds some back

@@ -1,0 +1,139 @@
+"""Claims on chats, the concurrency cap and one-at-a-time chores, in Redis.
+
+A chat is claimed with SET NX on its `run` key (one key, one script: any hash slot
+of a Redis Cluster); the claim is extended and released only by its owner
+(compare-and-extend, compare-and-delete), and expires with a process that dies.
+Whether Redis lost its data — this process's `proc` key gone, or another process's
+`recovering` flag — is read in the same round trip, outside the script (those keys
+live in other slots): a claim set by a process that then learns so is taken back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockNotOwnedError
+
+from ..events import Handle
+from . import rediskeys as k
+
+# set a key that is free: 1 claimed, 0 another generation has it
+CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+# keep a key that is ours: extended (1), set again because it was gone (2), or another's (0)
+KEEP = """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if not current then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 end
+return 0
+"""
+# delete a key only if it is still ours
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+#: what `claim` says
+CLAIMED, TAKEN, RECOVERING = 1, 0, -1
+
+
+class Claims:
+    """The claim side of the Redis hub. Every method is one pipeline (a round trip per
+    node it touches) and raises what the client raises; callers bound them with a
+    deadline."""
+
+    def __init__(self, redis: Any, token: str, *, handle_ttl_ms: int, keep_ms: int) -> None:
+        self.redis = redis
+        self.token = token
+        self.handle_ttl_ms = handle_ttl_ms
+        self.keep_ms = keep_ms  # how long an answer's handle and pointers outlive its start
+        self._locks: dict[str, Lock] = {}
+
+    async def claim(self, handle: Handle, payload: bytes, cap_key: str) -> tuple[int, int]:
+        """Claim the chat and count the cap key's running answers with this one:
+        (CLAIMED | TAKEN | RECOVERING, running)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(k.proc(self.token))
+            pipe.exists(k.RECOVERING)
+            pipe.eval(CLAIM, 1, k.run(handle.chat_id), payload, self.handle_ttl_ms)
+            alive, recovering, claimed = await pipe.execute()
+        if not alive or recovering:
+            if claimed:
+                await self.redis.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            return RECOVERING, 0
+        if not claimed:
+            return TAKEN, 0
+        now_ms = int(time.time() * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            # the running generations of the cap key: members expire with their claims
+            active = k.active(cap_key)
+            pipe.zremrangebyscore(active, "-inf", now_ms)
+            pipe.zadd(active, {handle.answer_id: now_ms + self.handle_ttl_ms})
+            pipe.pexpire(active, self.handle_ttl_ms)
+            pipe.zcard(active)
+            pipe.set(k.gen(handle.answer_id), payload, px=self.keep_ms)
+            pipe.set(k.latest(handle.chat_id), handle.answer_id, px=self.keep_ms)
+            pipe.set(k.owner(handle.answer_id), self.token, px=self.keep_ms)
+            running = (await pipe.execute())[3]
+        return CLAIMED, int(running)
+
+    async def unclaim(self, handle: Handle, payload: bytes, cap_key: str) -> None:
+        """A claim given up before its generation ran."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(k.active(cap_key), handle.answer_id)
+            pipe.delete(k.gen(handle.answer_id))
+            pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            await pipe.execute()
+
+    async def ended(
+        self, handle: Handle, payload: bytes, cap_key: str | None, replay_ms: int
+    ) -> None:
+        """The generation ended: the claim released, its cap entry and cancel flag gone,
+        its handle and pointers kept for replay."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(k.gen(handle.answer_id), replay_ms)
+            pipe.pexpire(k.latest(handle.chat_id), replay_ms)
+            pipe.pexpire(k.owner(handle.answer_id), replay_ms)
+            pipe.delete(k.cancel(handle.answer_id))
+            if cap_key is not None:
+                pipe.zrem(k.active(cap_key), handle.answer_id)
+            pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            await pipe.execute()
+
+    async def keep(self, claims: Sequence[tuple[Handle, bytes, str]]) -> list[int]:
+        """Set again claims found gone (Redis lost them) where still free, with their cap
+        entries: 1 ours, 2 set again, 0 another generation's — one for each."""
+        expiry = int(time.time() * 1000) + self.handle_ttl_ms
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for handle, payload, _ in claims:
+                pipe.eval(KEEP, 1, k.run(handle.chat_id), payload, self.handle_ttl_ms)
+            for handle, _, cap_key in claims:
+                pipe.zadd(k.active(cap_key), {handle.answer_id: expiry})
+                pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
+            return [int(kept) for kept in (await pipe.execute())[: len(claims)]]
+
+    async def release(self, claims: Sequence[tuple[Handle, bytes]]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for handle, payload in claims:
+                pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            await pipe.execute()
+
+    async def lead(self, chore: str, ttl: float) -> bool:
+        """Whether this process runs `chore` for the next `ttl` seconds: a redis-py
+        `Lock`, extended while held, taken when free (or lost with Redis's data)."""
+        lock = self._locks.get(chore)
+        if lock is None:
+            lock = self._locks[chore] = Lock(
+                self.redis, k.lead(chore), timeout=ttl, blocking=False, thread_local=False
+            )
+        if lock.local.token is not None:
+            try:
+                return bool(await lock.reacquire())
+            except LockNotOwnedError:  # expired, or taken by another since
+                pass
+        return bool(await lock.acquire(blocking=False))

@@ -1,0 +1,139 @@
+"""Following a generation that runs on another process, through Redis.
+
+A follower reads its answer's log and nothing else: XREAD BLOCK on that one
+stream, from the start, so its Redis traffic grows with its own answer's events,
+not with everything the owner runs. It tells the owner (pub/sub on the owner's
+`follow` channel, again every `WATCH_EVERY` seconds) that the answer is
+followed, and the owner then writes that answer's events to its log at every
+commit instead of every checkpoint; a message that is lost costs latency (the
+checkpoint still comes), never events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from ..errors import AppError
+from ..events import Event, Handle
+from . import rediskeys as k
+from .connect import is_cluster
+
+if TYPE_CHECKING:
+    from .redis import RedisHub
+
+log = logging.getLogger("app.streams")
+
+BLOCK_MS = 1000
+#: how often a follower says again that it follows (the owner forgets after three times that)
+WATCH_EVERY = 2.0
+#: a follower that keeps finding events missing gives up after this many reads of the log
+MAX_GAPS = 20
+
+
+async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
+    """XREAD BLOCK on one stream. On a cluster, sent to the node of the key's slot
+    as the client's map has it (redis-py would otherwise ask the server for the keys
+    of every XREAD, a `COMMAND GETKEYS` round trip each); a MOVED answer is still
+    followed."""
+    if not is_cluster(client):
+        return await client.xread({key: last_id}, block=BLOCK_MS)
+    await client.initialize()  # the slot map, once
+    node = client.get_node_from_key(key)
+    return await client.execute_command(
+        "XREAD", "BLOCK", BLOCK_MS, "STREAMS", key, last_id, target_nodes=node
+    )
+
+
+async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    """The events after `after_seq` of another process's generation, in order, each
+    once, until its terminal event. Through an outage it reconnects and goes on from
+    the last event it had; it ends with an `error` event when the generation is
+    lost (its claim and its process gone), or Redis stays away past `settle` + the
+    claim's TTL. Closing it is safe."""
+    key = k.log(handle.answer_id)
+    owner = ""
+    last_id: bytes | str = "0-0"
+    seq = after_seq
+    gaps = 0
+    announced = float("-inf")
+    gone_since: float | None = None  # when its claim was first found gone, its owner alive
+    failing_since: float | None = None
+    delay = 0.1
+    patience = hub.settle + hub.claim_ttl
+    while True:
+        try:
+            now = time.monotonic()
+            if now - announced >= WATCH_EVERY:
+                async with asyncio.timeout(hub.timeout * 2):
+                    owner = owner or await hub.owner_of(handle.answer_id)
+                    if owner:
+                        await hub.redis.publish(k.follow_channel(owner), handle.answer_id)
+                announced = now
+            async with asyncio.timeout(BLOCK_MS / 1000 + hub.timeout):
+                found = k.entries(await _xread(hub.blocking, key, last_id))
+            if not found:
+                # nothing for a while: does it still run?
+                (state,) = await hub.states([(handle.chat_id, handle.answer_id)])
+                if state != "gone":
+                    gone_since = None
+                    continue
+                # ended (its end is in the log: read next) or lost with its process
+                async with asyncio.timeout(hub.timeout * 2):
+                    alive = bool(owner) and await hub.alive(owner)
+                now = time.monotonic()
+                if alive and (gone_since is None or now - gone_since < patience):
+                    gone_since = gone_since or now
+                    continue
+                # one last look at all Redis holds of it (its log, its owner's journal)
+                async with asyncio.timeout(hub.timeout * 2):
+                    batch = k.after(await hub.gather(handle), seq)
+                if batch:
+                    yield batch
+                    seq = batch[-1].seq
+                    if batch[-1].terminal:
+                        return
+                # the sweeper saves what was logged
+                yield [k.error(handle, seq + 1, "generation lost: its server process stopped")]
+                return
+            failing_since, delay = None, 0.1
+        except (RedisError, OSError, AppError, TimeoutError) as exc:
+            hub.connection_lost()
+            await hub.reconnect()
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                log.warning("following %s: redis unavailable: %r", handle.answer_id, exc)
+            if now - failing_since > patience:
+                yield [k.error(handle, seq + 1, "the stream registry is unavailable")]
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            continue
+        for entry_id, fields in found:
+            raw = fields.get(b"e")
+            batch = [e for e in k.load_events(raw, handle) if e.seq > seq] if raw else []
+            if batch and batch[0].seq != seq + 1:
+                # entries missing (lost by Redis, to be written again by the owner):
+                # the whole log again
+                gaps += 1
+                if gaps > MAX_GAPS:
+                    log.error("following %s: events missing after %d", handle.answer_id, seq)
+                    yield [k.error(handle, seq + 1, "the stream lost events")]
+                    return
+                # read from the start, unless that was one already: then wait for more
+                last_id = found[-1][0] if last_id == "0-0" else "0-0"
+                break
+            last_id = entry_id
+            if not batch:
+                continue
+            gaps = 0
+            seq = batch[-1].seq
+            yield batch
+            if batch[-1].terminal:
+                return
