@@ -13,10 +13,11 @@ from urllib.parse import urlsplit
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -29,7 +30,7 @@ from .collections.retrieval import Retriever
 from .collections.service import CollectionService
 from .config import Settings, auth_mode
 from .demo import DemoModel, is_demo
-from .errors import AppError
+from .errors import AppError, BadRequest, NotFound
 from .files.service import FileService
 from .identity.accounts import Accounts
 from .identity.jwt import BearerJwt
@@ -289,8 +290,26 @@ def create_app(
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={Exception: internal_error},
+        exception_handlers={Exception: internal_error, HTTPException: http_error},
     )
+
+
+#: where every answer, an unknown route's included, is JSON in the protocol's shape
+JSON_PREFIXES = ("/api/", "/v1/", "/sources/")
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """An unknown route or method (Starlette's 404 and 405) in the protocol's shape
+    under the API's prefixes; elsewhere (the web client's files) as Starlette says it."""
+    assert isinstance(exc, HTTPException)
+    if not request.url.path.startswith(JSON_PREFIXES) or exc.status_code >= 500:
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    error: AppError = (
+        NotFound("no such route")
+        if exc.status_code == 404
+        else BadRequest(str(exc.detail), status=exc.status_code)
+    )
+    return openai_error(error) if request.url.path.startswith("/v1/") else error_response(error)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

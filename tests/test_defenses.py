@@ -447,3 +447,15 @@ def test_a_middleware_marked_stream_safe_is_taken(settings):
     app = create_app(settings)
     app.add_middleware(Tag)
     app.build_middleware_stack()
+
+
+async def test_an_unknown_route_answers_in_its_protocols_shape(client):
+    for path in ("/api/nope", "/api/chats/a/b", "/sources/a/b"):
+        answer = await client.get(path)
+        assert answer.status_code == 404, path
+        assert answer.json()["type"] == "error" and answer.json()["key"] == "NOT_FOUND", path
+    answer = await client.get("/v1/nope")
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+    answer = await client.put("/api/chats")
+    assert answer.status_code == 405 and answer.json()["key"] == "BAD_REQUEST"
+    assert (await client.get("/")).status_code == 200  # the web client, as before
