@@ -964,5 +964,6 @@ function resizeQuestion() {
 }
 
 applyTheme();
+applyDefaults(); // the saved choices from the first paint, not the page's own until the config arrives
 wire();
 start();
