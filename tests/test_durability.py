@@ -395,6 +395,65 @@ async def test_driver_errors_read_as_what_they_are():
     assert type(bug.value) is AppError and bug.value.status == 500
 
 
+async def test_sessions_ended_under_statements_are_503_and_leave_no_broken_connection(
+    postgres_server,
+):
+    """PostgreSQL ends sessions mid-transaction, again and again (a restart or a
+    failover looks like this): every write meanwhile is a 503 — never a 500 — and
+    once it stops, every call works: no connection left stuck in the pool."""
+    import asyncpg
+
+    url = new_database(postgres_server)
+    outcomes: dict[str, int] = {}
+    async with open_store(url) as store:
+        killer = await asyncpg.connect(url)
+
+        async def one_round(name: str) -> None:
+            now = time.time()
+            chat = Chat(name, "1", "t", "webSearch", now)
+            question = StoredMessage("q" + name, name, "user", "what", now)
+            answer = StoredMessage("a" + name, name, "assistant", "", now, status="streaming")
+            await store.begin_answer(chat, question, answer)
+            await store.get_chat(name)
+            await store.set_title(name, "x")
+
+        async def work(worker: int, until: float) -> None:
+            n = 0
+            while time.monotonic() < until:
+                n += 1
+                try:
+                    await one_round(f"w{worker}-{n}")
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                except Unavailable:
+                    outcomes["503"] = outcomes.get("503", 0) + 1
+                except AppError as exc:
+                    what = repr(exc.__cause__)[:80]
+                    outcomes[what] = outcomes.get(what, 0) + 1
+
+        async def end_sessions(until: float) -> None:
+            while time.monotonic() < until:
+                await asyncio.sleep(0.05)
+                await killer.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+
+        try:
+            until = time.monotonic() + 5
+            await asyncio.gather(end_sessions(until), *(work(i, until) for i in range(20)))
+        finally:
+            await killer.close()
+        assert set(outcomes) <= {"ok", "503"}, outcomes
+        assert outcomes.get("503", 0) > 20  # sessions were ended under statements
+        for attempt in range(3):  # a connection closed while idle fails its next call once
+            try:
+                await asyncio.gather(*(one_round(f"after{attempt}-{i}") for i in range(40)))
+                break
+            except Unavailable:
+                continue
+        await asyncio.gather(*(one_round(f"then-{i}") for i in range(40)))  # all of them work
+
+
 # -- 5. background loops, tasks, and uploads that a stop cuts off ----------------------------------
 
 

@@ -263,10 +263,14 @@ ERRORS = DriverErrors(
         asyncpg.exceptions.ReadOnlySQLTransactionError,
         asyncpg.exceptions.TransactionRollbackError,
         asyncpg.exceptions.PostgresSystemError,
+        # "cannot switch to state N; another operation is in progress": a pooled
+        # connection whose session the server ended under a statement, before
+        # asyncpg saw it close (a restart, a failover, pg_terminate_backend)
+        asyncpg.exceptions.InternalClientError,
     ),
     conflict=(asyncpg.IntegrityConstraintViolationError,),
     data=(asyncpg.DataError,),
-    every=(asyncpg.PostgresError, asyncpg.exceptions.InternalClientError),
+    every=(asyncpg.PostgresError,),
 )
 COMMAND_SECONDS = 10.0
 
