@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from app.chat.keeper import AnswerKeeper
 from app.chores import supervised
@@ -36,6 +37,7 @@ from app.store import (
     open_store,
 )
 from app.store.base import mapping_errors
+from app.streams import rediskeys
 from app.streams.memory import MemoryHub
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
 from tests.conftest import USER, RedisServer, new_database
@@ -168,6 +170,23 @@ async def test_a_redis_that_stops_answering_fails_like_one_that_refuses(settings
                 row = (await http.get("/api/chats/h1")).json()["messages"][-1]
                 assert row["status"] == "completed"
                 assert row["content"] == "".join(f"tok{i} " for i in range(100))
+                # the end Redis missed is done again: the answer's keys are kept for
+                # replay only, not for as long as a running answer may run
+                replay_ms = settings.stream.replay_ttl_seconds * 1000
+                direct = aioredis.Redis.from_url(redis.url)
+                try:
+
+                    async def ended_again() -> bool:
+                        ttls = [
+                            await direct.pttl(key(row["messageId"]))
+                            for key in (rediskeys.gen, rediskeys.owner)
+                        ]
+                        return all(0 < ttl <= replay_ms for ttl in ttls)
+
+                    await wait_for(ended_again, timeout=10)
+                    assert 0 < await direct.pttl(rediskeys.latest("h1")) <= replay_ms
+                finally:
+                    await direct.aclose()
         finally:
             thaw(redis)
 

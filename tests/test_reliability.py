@@ -16,9 +16,11 @@ import time
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from httpx_ws import aconnect_ws
 
 from app.main import create_app
+from app.streams import rediskeys
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
 from tests.conftest import USER, PostgresServer, RedisServer, new_database
 from tests.servers import (
@@ -197,6 +199,28 @@ async def test_a_killed_host_leaves_no_answer_streaming_and_saves_what_resumers_
             assert rows[0]["content"] == seen and seen.startswith("tok0 ")
             assert rows[1]["content"].startswith("tok0 ")  # nobody resumed it: closed too
             assert closed_after < 3 + 5, closed_after  # handle_ttl + a few seconds
+            # saved, the dead process's answers are kept in Redis for replay only, not
+            # for as long as a running answer may run (ten minutes and more)
+            direct = aioredis.Redis.from_url(env["REDIS_URL"])
+            try:
+
+                async def kept_for_replay() -> bool:
+                    ttls = [
+                        await direct.pttl(key)
+                        for row, chat in zip(rows, ("k1", "k2"), strict=True)
+                        for key in (
+                            rediskeys.gen(row["messageId"]),
+                            rediskeys.owner(row["messageId"]),
+                            rediskeys.log(row["messageId"]),
+                            rediskeys.latest(chat),
+                        )
+                    ]
+                    # -2: no such key (a log never written: its events were in the journal)
+                    return all(ttl == -2 or 0 < ttl <= 300_000 for ttl in ttls)  # replay TTL
+
+                await wait_for(kept_for_replay, timeout=5)
+            finally:
+                await direct.aclose()
             # what a live client had shown and Redis did not get: at most one flush (200 ms
             # of tokens 10 ms apart), so the saved answer lags the screen by at most that
             shown = answer_of(head)

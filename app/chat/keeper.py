@@ -267,10 +267,14 @@ class AnswerKeeper:
 
     async def _close_orphan(self, answer: StoredMessage) -> int:
         saved = saved_from(await self.hub.logged(answer.id), fallback=answer)
-        if await self.store.finish_answer(answer.id, saved, only_streaming=True):
-            log.info("closed orphaned answer %s as %s", answer.id, saved.status)
-            return 1
-        return 0
+        if not await self.store.finish_answer(answer.id, saved, only_streaming=True):
+            return 0
+        log.info("closed orphaned answer %s as %s", answer.id, saved.status)
+        try:
+            await self.hub.orphaned(answer.chat_id, answer.id)
+        except AppError as exc:  # its keys expire anyway, later
+            log.debug("orphan %s kept in the registry: %s", answer.id, exc.message)
+        return 1
 
     async def _sweeper(self) -> None:
         while True:

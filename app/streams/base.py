@@ -347,6 +347,10 @@ class StreamHub(abc.ABC):
     async def logged(self, answer_id: str) -> list[Event]:
         """Every event of a generation still kept (what a resuming client would get)."""
 
+    async def orphaned(self, chat_id: str, answer_id: str) -> None:  # noqa: B027
+        """An answer whose process died has been saved (see the sweeper): what is kept
+        of it expires with the replay TTL from now, as an answer's that ended does."""
+
     @abc.abstractmethod
     async def lead(self, chore: str, ttl: float) -> bool:
         """Whether this process should run a chore that one process of the deployment

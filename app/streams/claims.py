@@ -37,6 +37,11 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# shorten a key's TTL only if it still holds this value (a chat's newest answer)
+SHORTEN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 
 #: what `claim` says
 CLAIMED, TAKEN, RECOVERING = 1, 0, -1
@@ -97,12 +102,24 @@ class Claims:
         its handle and pointers kept for replay."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.pexpire(k.gen(handle.answer_id), replay_ms)
-            pipe.pexpire(k.latest(handle.chat_id), replay_ms)
+            pipe.eval(SHORTEN, 1, k.latest(handle.chat_id), handle.answer_id, replay_ms)
             pipe.pexpire(k.owner(handle.answer_id), replay_ms)
             pipe.delete(k.cancel(handle.answer_id))
             if cap_key is not None:
                 pipe.zrem(k.active(cap_key), handle.answer_id)
             pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            await pipe.execute()
+
+    async def orphaned(self, chat_id: str, answer_id: str, replay_ms: int) -> None:
+        """An answer of a dead process, saved by the sweeper: its handle, owner, log
+        and (if still its chat's newest) pointer kept for replay only, not for as long
+        as a running answer may run."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(k.gen(answer_id), replay_ms)
+            pipe.pexpire(k.owner(answer_id), replay_ms)
+            pipe.pexpire(k.log(answer_id), replay_ms)
+            pipe.delete(k.cancel(answer_id))
+            pipe.eval(SHORTEN, 1, k.latest(chat_id), answer_id, replay_ms)
             await pipe.execute()
 
     async def keep(self, claims: Sequence[tuple[Handle, bytes, str]]) -> list[int]:

@@ -150,6 +150,9 @@ class RedisHub(StreamHub):
         self.claim_refresh = handle_ttl / 4
         self._extended: dict[str, float] = {}  # when each claim was set or last extended
         self._owners: dict[str, str] = {}  # answers of other processes: whose they are
+        #: ended answers whose end Redis did not take (the claim released, the keys
+        #: kept for replay only): done again at each heartbeat until it does
+        self._unended: dict[str, tuple[Handle, str | None]] = {}
         self._wake = asyncio.Event()
         self._beat_now = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -281,10 +284,27 @@ class RedisHub(StreamHub):
             # the answer is in the store (its generation saved it first), or kept in
             # memory until the store takes it
             log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
+            self._unended[handle.answer_id] = (
+                handle,
+                entry.cap_key if entry is not None else None,
+            )
             self._wake.set()
         finally:
             if log_ is not None:
                 log_.end(terminal)
+
+    async def orphaned(self, chat_id: str, answer_id: str) -> None:
+        async with self._unavailable():
+            await self.claims.orphaned(chat_id, answer_id, self.replay_ttl_ms)
+
+    async def _end_again(self) -> None:
+        """The ends Redis did not take (see `finish`), once their events are written:
+        until then a follower could still need the log to go on."""
+        for answer_id, (handle, cap_key) in list(self._unended.items()):
+            if answer_id in self.journal.pending:
+                continue
+            await self.claims.ended(handle, k.dump_handle(handle), cap_key, self.replay_ttl_ms)
+            del self._unended[answer_id]
 
     async def lookup(self, chat_id: str) -> Handle | None:
         local = self.local.lookup(chat_id)
@@ -644,6 +664,8 @@ class RedisHub(StreamHub):
         for r, (_, _, flagged) in zip(due, per_claim, strict=True):
             if flagged:
                 self.local.cancel(r.handle.answer_id)
+        if self._unended:
+            await self._end_again()
 
     async def _claim_again(self, missing: list[Running]) -> None:
         """Claims found gone (Redis lost them): set again where still free, and the
