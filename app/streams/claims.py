@@ -47,6 +47,17 @@ return 0
 CLAIMED, TAKEN, RECOVERING = 1, 0, -1
 
 
+def end_in(pipe: Any, handle: Handle, payload: bytes, cap_key: str | None, replay_ms: int) -> None:
+    """Add to a pipeline what ends a generation's claim (see `Claims.ended`)."""
+    pipe.pexpire(k.gen(handle.answer_id), replay_ms)
+    pipe.eval(SHORTEN, 1, k.latest(handle.chat_id), handle.answer_id, replay_ms)
+    pipe.pexpire(k.owner(handle.answer_id), replay_ms)
+    pipe.delete(k.cancel(handle.answer_id))
+    if cap_key is not None:
+        pipe.zrem(k.active(cap_key), handle.answer_id)
+    pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+
+
 class Claims:
     """The claim side of the Redis hub. Every method is one pipeline (a round trip per
     node it touches) and raises what the client raises; callers bound them with a
@@ -101,13 +112,7 @@ class Claims:
         """The generation ended: the claim released, its cap entry and cancel flag gone,
         its handle and pointers kept for replay."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.pexpire(k.gen(handle.answer_id), replay_ms)
-            pipe.eval(SHORTEN, 1, k.latest(handle.chat_id), handle.answer_id, replay_ms)
-            pipe.pexpire(k.owner(handle.answer_id), replay_ms)
-            pipe.delete(k.cancel(handle.answer_id))
-            if cap_key is not None:
-                pipe.zrem(k.active(cap_key), handle.answer_id)
-            pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+            end_in(pipe, handle, payload, cap_key, replay_ms)
             await pipe.execute()
 
     async def orphaned(self, chat_id: str, answer_id: str, replay_ms: int) -> None:

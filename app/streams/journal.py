@@ -38,6 +38,8 @@ class Plan:
     trim: tuple[int, int] | None = None
     #: the journal is new: give it its expiry (the heartbeat keeps it from then on)
     expire_journal: bool = False
+    #: the generations whose claim the commit ends too (filled in by the writer)
+    ended: list[str] = field(default_factory=list)
 
 
 class Journal:

@@ -47,7 +47,7 @@ from .base import (
     already_running,
     too_many,
 )
-from .claims import RECOVERING, TAKEN, Claims
+from .claims import RECOVERING, TAKEN, Claims, end_in
 from .connect import cluster_client, is_cluster
 from .follower import WATCH_EVERY, follow
 from .journal import Journal, Plan
@@ -153,6 +153,8 @@ class RedisHub(StreamHub):
         #: ended answers whose end Redis did not take (the claim released, the keys
         #: kept for replay only): done again at each heartbeat until it does
         self._unended: dict[str, tuple[Handle, str | None]] = {}
+        #: generations whose end waits for the next commit: it says so, ends the claim
+        self._ending: dict[str, tuple[asyncio.Future[None], Handle, str | None]] = {}
         self._wake = asyncio.Event()
         self._beat_now = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -263,31 +265,39 @@ class RedisHub(StreamHub):
             log.warning("redis unavailable while abandoning %s: %r", handle.answer_id, exc)
 
     async def finish(self, handle: Handle, terminal: Event) -> None:
+        """The generation's end: its terminal event committed with the others' events
+        (the next group commit writes its log and ends its claim in the same round
+        trip), then given to local readers. Through an outage it is written directly,
+        and what Redis does not take is done again later."""
         log_ = self.local.log(handle.answer_id)
         entry = self.local.entry(handle.chat_id)
+        cap_key = entry.cap_key if entry is not None else None
         if log_ is not None:
             self.journal.queue(handle.answer_id, terminal)
         self.local.release(handle, keep_log=True)
         self._extended.pop(handle.answer_id, None)
         try:
             async with asyncio.timeout(self.timeout * 2):
-                await self.flush(only=handle.answer_id)
-                await self.claims.ended(
-                    handle,
-                    k.dump_handle(handle),
-                    entry.cap_key if entry is not None else None,
-                    self.replay_ttl_ms,
-                )
+                if log_ is not None and not self._outage:
+                    ended = asyncio.get_running_loop().create_future()
+                    self._ending[handle.answer_id] = (ended, handle, cap_key)
+                    self._wake.set()
+                    try:
+                        await ended
+                    finally:
+                        self._ending.pop(handle.answer_id, None)
+                else:
+                    await self.flush(only=handle.answer_id)
+                    await self.claims.ended(
+                        handle, k.dump_handle(handle), cap_key, self.replay_ttl_ms
+                    )
         except (RedisError, OSError, TimeoutError) as exc:
             # the claim expires by itself; the terminal event stays queued, and the
             # committer writes it when Redis is back. Local readers get the end now:
             # the answer is in the store (its generation saved it first), or kept in
             # memory until the store takes it
             log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
-            self._unended[handle.answer_id] = (
-                handle,
-                entry.cap_key if entry is not None else None,
-            )
+            self._unended[handle.answer_id] = (handle, cap_key)
             self._wake.set()
         finally:
             if log_ is not None:
@@ -454,15 +464,26 @@ class RedisHub(StreamHub):
                 written = self.local.log(answer_id)
                 if written is not None:
                     written.release(batch[-1].seq)
+            for answer_id in plan.ended:
+                ending = self._ending.get(answer_id)
+                if ending is not None and not ending[0].done():
+                    ending[0].set_result(None)
 
     async def _write(self, plan: Plan) -> tuple[int, int] | None:
-        """One commit, in one pipeline; the id of its journal entry, if any."""
+        """One commit, in one pipeline; the id of its journal entry, if any. The claims
+        of the generations that end in it (and wait for it, see `finish`) end there
+        too, after their log: `plan.ended` says which."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for write in plan.logs:
                 key = k.log(write.answer_id)
                 pipe.xadd(key, {"e": k.dump_events(write.events)}, maxlen=LOG_CAP, approximate=True)
                 if write.expire == "replay":  # kept for replay from now on
                     pipe.pexpire(key, self.replay_ttl_ms)
+                    ending = self._ending.get(write.answer_id)
+                    if ending is not None:
+                        _, handle, cap_key = ending
+                        end_in(pipe, handle, k.dump_handle(handle), cap_key, self.replay_ttl_ms)
+                        plan.ended.append(write.answer_id)
                 elif write.expire == "running":
                     pipe.pexpire(key, self.keep_ms)
             if not plan.journal:
