@@ -11,13 +11,16 @@ PostgreSQL, and the fake model and web.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sqlite3
 import time
+from collections.abc import AsyncIterator
 
 import httpx
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -107,6 +110,71 @@ async def test_after_a_kill_what_every_client_saw_is_what_is_resumed_and_saved(
                 assert row["status"] == "failed"
                 assert row["content"] == answer_of(events + tail), chat
                 assert len(answer_of(events)) > 100
+
+
+async def v1_shown(lines: AsyncIterator[str], chunks: int | None = None) -> tuple[str, str]:
+    """(answer id, text) a `/v1` stream's client was shown: the next `chunks` chunks
+    of its lines, or all until the stream ends or breaks."""
+    answer_id, text, seen = "", [], 0
+    try:
+        async for line in lines:
+            if not line.startswith("data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            answer_id = chunk["id"].removeprefix("chatcmpl-")
+            for choice in chunk["choices"]:
+                text.append(choice["delta"].get("content") or "")
+            seen += 1
+            if seen == chunks:
+                break
+    except (httpx.HTTPError, httpx.StreamError):
+        pass
+    return answer_id, "".join(text)
+
+
+async def test_v1_streams_cut_by_a_kill_are_saved_with_what_their_clients_saw(
+    hosts_env, fake_model
+):
+    """`/v1` streams cannot resume: when their process is killed, the sweeper on
+    another one saves each answer with at least the text its client was shown."""
+    body = {
+        "model": "deepSeek",
+        "stream": True,
+        "user": "7",
+        "messages": [{"role": "user", "content": "long #tokens=3000 #delay=0.01"}],
+    }
+    with processes(2, hosts_env) as (a, b):
+        async with httpx.AsyncClient(timeout=30) as http, contextlib.AsyncExitStack() as stack:
+            responses = [
+                await stack.enter_async_context(
+                    http.stream("POST", a.url + "/v1/chat/completions", json=body)
+                )
+                for _ in range(8)
+            ]
+            lines = [r.aiter_lines() for r in responses]
+            heads = await asyncio.gather(*(v1_shown(each, 20) for each in lines))
+            a.kill()
+            tails = await asyncio.gather(*(v1_shown(each) for each in lines))
+            shown = {h[0]: h[1] + t[1] for h, t in zip(heads, tails, strict=True)}
+            await stack.aclose()
+
+            async def saved() -> dict | None:
+                chats = (await http.get(b.url + "/api/chats", params={"userId": "7"})).json()
+                rows = {}
+                for chat in chats["chats"]:
+                    reply = await http.get(b.url + f"/api/chats/{chat['id']}?userId=7")
+                    row = reply.json()["messages"][-1]
+                    if row["status"] == "streaming":
+                        return None
+                    rows[row["messageId"]] = row
+                return rows
+
+            rows = await wait_for(saved, timeout=20)
+            assert rows.keys() == shown.keys()
+            for answer_id, text in shown.items():
+                assert text.startswith("tok0 ") and len(text) > 60
+                assert rows[answer_id]["status"] == "failed"
+                assert rows[answer_id]["content"].startswith(text), answer_id
 
 
 # -- 2. a Redis that stops answering ------------------------------------------------------------

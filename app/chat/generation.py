@@ -45,7 +45,7 @@ from .agent import Researcher, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, steps_of
-from .modes import MODES, PLAIN_PROMPT, SourceJob, WebSources
+from .modes import MODES, PLAIN_PROMPT, WebSources
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
@@ -311,7 +311,7 @@ class Generation:
             prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
             return svc.prompts.render(prompt, date=date)
         results = []
-        if web and isinstance(mode.sources, WebSources) and self.decision is not None:
+        if web and mode.sources is not None and self.decision is not None:
             results = await svc.researcher.find_sources(
                 self.out,
                 question,
@@ -323,13 +323,9 @@ class Generation:
                 collections=self.collections,
                 filters=req.search,
             )
-        elif web and mode.sources is not None:
-            job = SourceJob(self.out, question, req, svc.search, self.files, self.collections)
-            results = await mode.sources.find(job)
-        own_search = mode.sources is not None and mode.sources.reads_files
-        if self.files and not own_search:
+        if self.files:
             results = await self._with_files(question, results)
-        if self.collections is not None and not own_search:
+        if self.collections is not None:
             results = await with_collections(self.out, self.collections, question, results)
         if not results:
             self.out.emit("progress", data="answering without sources")

@@ -9,7 +9,6 @@ the model answers alone with `PLAIN_PROMPT`.
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,45 +16,13 @@ from ..events import FOCUS_MODES
 from ..search.base import SearchScope
 
 if TYPE_CHECKING:
-    from ..collections.service import CollectionSearch
     from ..protocol import ChatRequest
-    from ..search.base import SearchResult
-    from ..search.web import Progress, WebSearch
-    from ..store import FileRecord
 
 
-@dataclass(frozen=True, slots=True)
-class SourceJob:
-    """What a strategy may use to find the sources of one question."""
-
-    out: Progress
-    question: str
-    request: ChatRequest
-    web: WebSearch
-    files: list[FileRecord]
-    collections: CollectionSearch | None = None
-
-
-class Sources(abc.ABC):
-    """Where a mode's sources come from."""
-
-    #: whether `find` searches the request's files itself (else the generation adds
-    #: their passages to what it found)
-    reads_files = False
-
-    def applies(self, request: ChatRequest) -> bool:
-        """Whether this request wants sources at all."""
-        return True
-
-    @abc.abstractmethod
-    async def find(self, job: SourceJob) -> list[SearchResult]:
-        """The sources, best first; [] when nothing was found (a `progress` event
-        said why). Cancelling is safe."""
-
-
-class WebSources(Sources):
-    """Web search — all of it, or kept to `scope` — by the research agent, within the
-    request's optimization mode's budget (or `budget`'s); off with copilot off."""
+class WebSources:
+    """Where a mode's sources come from: web search — all of it, or kept to `scope` —
+    by the research agent (`chat/agent.py`), within the request's optimization mode's
+    budget (or `budget`'s); off with copilot off."""
 
     #: the research budget it spends (None: the request's optimization mode)
     budget: str | None = None
@@ -64,16 +31,8 @@ class WebSources(Sources):
         self.scope = scope
 
     def applies(self, request: ChatRequest) -> bool:
+        """Whether this request wants sources at all."""
         return request.copilot_enabled
-
-    async def find(self, job: SourceJob) -> list[SearchResult]:
-        return await job.web.find_sources(
-            job.out,
-            job.question,
-            job.request.optimization_mode,
-            scope=self.scope,
-            filters=job.request.search,
-        )
 
 
 class ResearchSources(WebSources):
@@ -94,7 +53,7 @@ class FocusMode:
 
     name: str
     prompt: str
-    sources: Sources | None = None
+    sources: WebSources | None = None
 
 
 #: the plain-chat prompt, for a mode whose sources do not apply or found nothing

@@ -18,7 +18,6 @@ import importlib.util
 import logging
 import socket
 import time
-import zlib
 from collections.abc import Awaitable, Coroutine
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -36,7 +35,6 @@ from .base import (
     SearchFilters,
     SearchProvider,
     SearchResult,
-    SearchScope,
 )
 from .ddgs import DdgsSearch
 from .demo import DemoSearch
@@ -249,53 +247,6 @@ class WebSearch:
         except (SearchError, TimeoutError) as exc:
             log.info("%s search failed: %s", what, getattr(exc, "message", "timeout"))
             return []
-
-    async def find_sources(
-        self,
-        out: Progress,
-        question: str,
-        mode: str,
-        picks: int = QUALITY_PICKS,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
-        """Search (within `scope`, kept to `filters`), rank and read for `question`; []
-        when there is nothing to ground on (a `progress` event has said why). `picks`
-        bounds what `quality` reads. The search is a `progress` step of kind `search`
-        (its query and provider; then how many results, or that it failed).
-
-        Cancelling is safe: in-flight requests are closed.
-        """
-        where = f" ({scope.name})" if scope else ""
-        step = {
-            "id": f"search-{zlib.crc32(f'{where}{question}'.encode()):08x}",
-            "kind": "search",
-            "status": "running",
-            "query": question,
-            "provider": PROVIDER_LABELS.get(self.provider.name, self.provider.name),
-        }
-        out.emit("progress", data=f"searching the web{where}: {question}", step=step)
-        budget = self.settings.search.timeout_seconds
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        try:
-            async with asyncio.timeout(budget):
-                results = await self.provider.search(question, self.limit(filters), scope, filters)
-        except TimeoutError:
-            out.emit("progress", data="web search timed out", step={**step, "status": "failed"})
-            return []
-        except SearchError as exc:
-            log.warning("search failed: %s", exc.message)
-            failed = {**step, "status": "failed", "results": 0}
-            out.emit("progress", data=f"web search failed ({exc.message})", step=failed)
-            return []
-        results = self.keep_to(out, results, filters)
-        found = {**step, "status": "done", "results": len(results)}
-        if not results:
-            out.emit("progress", data="web search found nothing", step=found)
-            return []
-        out.emit("progress", data=f"found {len(results)} results", step=found)
-        return await self.refine(out, question, mode, results, deadline, picks)
 
     def limit(self, filters: SearchFilters | None) -> int:
         """How many results a search asks for: `search.max_results`, by `contextSize`."""

@@ -61,7 +61,7 @@ def model_ids() -> list[str]:
     ids = []
     for name, mode in MODES.items():
         ids.append(name)
-        if mode.sources is not None and not mode.sources.reads_files:
+        if mode.sources is not None:
             ids.extend(f"{name}:{optimization}" for optimization in OPTIMIZATION_MODES)
     return ids
 
