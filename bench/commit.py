@@ -137,10 +137,12 @@ async def command_calls(client: aioredis.Redis) -> dict[str, int]:
 async def journal_entries(client: aioredis.Redis) -> int:
     """Entries ever added to every process's journal (XINFO STREAM entries-added)."""
     total = 0
-    async for key in client.scan_iter(match="sc:journal:*", count=1000):
-        with contextlib.suppress(Exception):
-            info = await client.xinfo_stream(key)
-            total += int(info.get("entries-added", 0))
+    # the key's name before and since the keys were hash-tagged for Redis Cluster
+    for pattern in ("sc:journal:*", "sc:{p:*}:journal"):
+        async for key in client.scan_iter(match=pattern, count=1000):
+            with contextlib.suppress(Exception):
+                info = await client.xinfo_stream(key)
+                total += int(info.get("entries-added", 0))
     return total
 
 

@@ -181,6 +181,30 @@ async def test_redis_generation_lost_with_its_process_ends_with_an_error(target)
         assert await other.lookup("1") is None
 
 
+async def test_redis_the_orphans_of_a_dead_process_are_read_with_one_journal_read(target):
+    """The sweeper reads what Redis kept of a dead process's answers at once: each
+    whole (its log and the journal's part), the journal they share read once, not
+    once per answer (which, hundreds of orphans on a busy process, was megabytes
+    read again and again)."""
+    answers = [handle(chat=str(i), answer=str(500 + i)) for i in range(20)]
+    async with redis_hub(*target, handle_ttl=0.5) as dead:
+        for h in answers:
+            log = await dead.register(h, lambda: None)
+            for e in events(h, ["message"] * 5):
+                log.append(e)
+        await dead.flush()
+    async with redis_hub(*target, handle_ttl=0.5) as other:
+        before = await calls(other.redis, "xrange")
+        logged = await other.logged_many([h.answer_id for h in answers] + ["missing"])
+        read = await calls(other.redis, "xrange") - before
+        assert {a: [e.seq for e in got] for a, got in logged.items()} == {
+            **{h.answer_id: [1, 2, 3, 4, 5] for h in answers},
+            "missing": [],
+        }
+        assert logged["510"][0].data == {"data": "d0"}
+        assert read <= 1 + len(answers), read  # the journal once, and each log
+
+
 async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
     async with (
         redis_hub(redis_url, handle_ttl=0.6) as owner,

@@ -90,7 +90,9 @@ async def test_a_double_clicked_send_starts_exactly_one_answer(env, fake_model, 
 
             async def double_click(i):
                 ids = {"messageId": f"m{i}"} | ({"chatId": f"c{i}"} if same_chat else {})
-                body = chat_body(f"q{i} #tokens=3 #reasoning=0", **ids)
+                # long enough that the second click lands while the first runs (after
+                # its end, the same messageId is a regeneration, rightly answered)
+                body = chat_body(f"q{i} #tokens=20 #delay=0.1 #reasoning=0", **ids)
                 return await asyncio.gather(ask(http, a.url, body), ask(http, b.url, body))
 
             pairs = await asyncio.gather(*(double_click(i) for i in range(20)))

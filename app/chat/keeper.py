@@ -246,9 +246,13 @@ class AnswerKeeper:
                 if answer.id not in self._running and answer.id not in self._unsaved
             ]
             states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
-            for answer, state in zip(candidates, states, strict=True):
-                if state == "gone":
-                    closed += await self._close_orphan(answer)
+            orphans = [
+                answer for answer, state in zip(candidates, states, strict=True) if state == "gone"
+            ]
+            if orphans:  # what Redis kept of them, read at once (they share journals)
+                logged = await self.hub.logged_many([answer.id for answer in orphans])
+                for answer in orphans:
+                    closed += await self._close_orphan(answer, logged[answer.id])
             if len(page) < SWEEP_PAGE:
                 break
             after = (page[-1].created_at, page[-1].id)
@@ -265,8 +269,8 @@ class AnswerKeeper:
             )
         return closed
 
-    async def _close_orphan(self, answer: StoredMessage) -> int:
-        saved = saved_from(await self.hub.logged(answer.id), fallback=answer)
+    async def _close_orphan(self, answer: StoredMessage, logged: list[Event]) -> int:
+        saved = saved_from(logged, fallback=answer)
         if not await self.store.finish_answer(answer.id, saved, only_streaming=True):
             return 0
         log.info("closed orphaned answer %s as %s", answer.id, saved.status)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,6 +346,11 @@ class StreamHub(abc.ABC):
     @abc.abstractmethod
     async def logged(self, answer_id: str) -> list[Event]:
         """Every event of a generation still kept (what a resuming client would get)."""
+
+    async def logged_many(self, answer_ids: Sequence[str]) -> dict[str, list[Event]]:
+        """`logged` of each answer (the sweeper's: a backend may read what they share
+        once for all of them)."""
+        return {answer_id: await self.logged(answer_id) for answer_id in answer_ids}
 
     async def orphaned(self, chat_id: str, answer_id: str) -> None:  # noqa: B027
         """An answer whose process died has been saved (see the sweeper): what is kept

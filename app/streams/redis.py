@@ -30,7 +30,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -381,15 +381,30 @@ class RedisHub(StreamHub):
         return bool(await self.redis.exists(k.proc(token)))
 
     async def logged(self, answer_id: str) -> list[Event]:
-        local = self.local.log(answer_id)
-        if local is not None:
-            return list(local.events)
-        handle = await self.find(answer_id)
-        if handle is None:
-            return []
+        return (await self.logged_many([answer_id]))[answer_id]
+
+    async def logged_many(self, answer_ids: Sequence[str]) -> dict[str, list[Event]]:
+        out: dict[str, list[Event]] = {}
+        handles = []
+        for answer_id in answer_ids:
+            local = self.local.log(answer_id)
+            out[answer_id] = list(local.events) if local is not None else []
+            if local is None:
+                handles.append(answer_id)
+        if not handles:
+            return out
         async with self._unavailable():
-            events = await self.gather(handle)
-        return [events[seq] for seq in sorted(events)]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for answer_id in handles:
+                    pipe.get(k.gen(answer_id))
+                raws = await pipe.execute()
+            if None in raws and self.recovery.doubtful():
+                raise recovering(self.recovery.doubt_until - time.monotonic())
+            found = [k.load_handle(raw) for raw in raws if raw]
+            gathered = await self.gather_many(found)
+        for answer_id, events in gathered.items():
+            out[answer_id] = [events[seq] for seq in sorted(events)]
+        return out
 
     async def lead(self, chore: str, ttl: float) -> bool:
         if self.recovery.doubtful():
@@ -524,19 +539,48 @@ class RedisHub(StreamHub):
         has its end, its owner's journal — by seq (a commit sent again after a failure
         may have written some twice). The journal is read first: what it no longer
         holds was trimmed after the log had it (see `journal`)."""
-        events: dict[int, Event] = {}
-        found = await self.redis.xrevrange(k.log(handle.answer_id), count=1)
-        ended = bool(found) and any(e.terminal for e in k.load_events(found[0][1][b"e"], handle))
-        owner = "" if ended else await self.owner_of(handle.answer_id)
-        if owner:
-            field = handle.answer_id.encode()
+        return (await self.gather_many([handle]))[handle.answer_id]
+
+    async def gather_many(self, handles: Sequence[Handle]) -> dict[str, dict[int, Event]]:
+        """`gather` of several generations, each owner's journal read once for all
+        of them (a dead process's orphans share it)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for handle in handles:
+                pipe.xrevrange(k.log(handle.answer_id), count=1)
+            lasts = await pipe.execute()
+        events: dict[str, dict[int, Event]] = {h.answer_id: {} for h in handles}
+        open_ = [
+            handle
+            for handle, found in zip(handles, lasts, strict=True)
+            # a log that has its end holds all of it
+            if not (found and any(e.terminal for e in k.load_events(found[0][1][b"e"], handle)))
+        ]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for handle in open_:
+                pipe.get(k.owner(handle.answer_id))
+            owners = await pipe.execute()
+        by_owner: dict[str, list[Handle]] = {}
+        for handle, owner in zip(open_, owners, strict=True):
+            if owner:
+                by_owner.setdefault(k.text(owner), []).append(handle)
+        for owner, owned in by_owner.items():
+            fields_of = {h.answer_id.encode(): h for h in owned}
             for _id, fields in await self.redis.xrange(k.journal(owner)):
-                if field in fields:
-                    for event in k.load_events(fields[field], handle):
-                        events.setdefault(event.seq, event)
-        for _id, fields in await self.redis.xrange(k.log(handle.answer_id)):
-            for event in k.load_events(fields[b"e"], handle):
-                events.setdefault(event.seq, event)
+                for field, raw in fields.items():
+                    handle_ = fields_of.get(field)
+                    if handle_ is not None:
+                        kept = events[handle_.answer_id]
+                        for event in k.load_events(raw, handle_):
+                            kept.setdefault(event.seq, event)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for handle in handles:
+                pipe.xrange(k.log(handle.answer_id))
+            logs = await pipe.execute()
+        for handle, entries in zip(handles, logs, strict=True):
+            kept = events[handle.answer_id]
+            for _id, fields in entries:
+                for event in k.load_events(fields[b"e"], handle):
+                    kept.setdefault(event.seq, event)
         return events
 
     # -- background: cancels, followers and heartbeats -------------------------------------
