@@ -160,6 +160,8 @@ class RedisHub(StreamHub):
         self._flush_lock = asyncio.Lock()
         self._chores = Chores("redis hub")
         self._outage = False
+        #: whether cancels may have been published while the listener did not listen
+        self._flags_unread = True
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -601,10 +603,11 @@ class RedisHub(StreamHub):
                         await self.blocking.initialize()
                 async with asyncio.timeout(self.timeout):
                     await pubsub.subscribe(k.CANCEL_CHANNEL, follows)
+                self._flags_unread = True  # cancels sent before now: at the next beat
+                self._beat_now.set()
                 if failing:
                     log.info("cancel listener: redis is back")
                     failing = False
-                    self._beat_now.set()  # re-assert what we hold at once
                 delay = 0.1
                 heard = time.monotonic()
                 pinged = False
@@ -658,9 +661,11 @@ class RedisHub(StreamHub):
     async def beat(self) -> None:
         """One heartbeat, in one pipeline: say this process lives (and keep its journal),
         and for each claim a quarter of its TTL old: extend it (one GETEX, which also
-        says whose the claim is) and its cap entry, see that its handle is still there,
-        pick up its cancel flag. Set again a claim found missing, and re-assert what
-        Redis lost."""
+        says whose the claim is) and its cap entry, and on a cluster see that its
+        handle is still there (its node may have lost its data alone). After the
+        cancel listener was (re)subscribed, pick up the cancel flags of every running
+        answer: one published while it was not listening was missed. Set again a
+        claim found missing, and re-assert what Redis lost."""
         running = self.local.running()
         now = time.monotonic()
         due = [
@@ -668,23 +673,36 @@ class RedisHub(StreamHub):
             for r in running
             if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
         ]
+        flags = running if self._flags_unread else []
+        self._flags_unread = False
         expiry = int(time.time() * 1000) + self.handle_ttl_ms
         by_cap: dict[str, dict[str, int]] = {}
         for r in due:
             by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(k.proc(self.token), b"1", px=self.proc_ttl_ms, get=True)
-            pipe.pexpire(k.journal(self.token), self.keep_ms)
-            for r in due:
-                pipe.getex(k.run(r.handle.chat_id), px=self.handle_ttl_ms)
-                pipe.exists(k.gen(r.handle.answer_id))
-                pipe.get(k.cancel(r.handle.answer_id))
-            for cap_key, members in by_cap.items():
-                pipe.zadd(k.active(cap_key), members)
-                pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
-            results = await pipe.execute()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(k.proc(self.token), b"1", px=self.proc_ttl_ms, get=True)
+                pipe.pexpire(k.journal(self.token), self.keep_ms)
+                for r in due:
+                    pipe.getex(k.run(r.handle.chat_id), px=self.handle_ttl_ms)
+                    if self._cluster:
+                        pipe.exists(k.gen(r.handle.answer_id))
+                for r in flags:
+                    pipe.get(k.cancel(r.handle.answer_id))
+                for cap_key, members in by_cap.items():
+                    pipe.zadd(k.active(cap_key), members)
+                    pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
+                results = await pipe.execute()
+        except BaseException:
+            self._flags_unread = self._flags_unread or bool(flags)
+            raise
         was_alive = results[0]
-        per_claim = [results[2 + 3 * i : 5 + 3 * i] for i in range(len(due))]
+        stride = 2 if self._cluster else 1
+        per_claim = [
+            (results[2 + stride * i], results[3 + stride * i] if self._cluster else 1)
+            for i in range(len(due))
+        ]
+        flagged = results[2 + stride * len(due) : 2 + stride * len(due) + len(flags)]
         for r in due:
             if self.local.runs(r.handle.answer_id):  # not ended while this beat ran
                 self._extended[r.handle.answer_id] = now
@@ -694,18 +712,16 @@ class RedisHub(StreamHub):
             self.recovery.needs_reassert.update(log_.handle.answer_id for log_ in kept)
             missing = running
         else:
-            missing = [r for r, (claim, _, _) in zip(due, per_claim, strict=True) if claim is None]
+            missing = [r for r, (claim, _) in zip(due, per_claim, strict=True) if claim is None]
             self._check_kept(
                 due,
                 [
                     1 if claim in (None, k.dump_handle(r.handle)) else 0
-                    for r, (claim, _, _) in zip(due, per_claim, strict=True)
+                    for r, (claim, _) in zip(due, per_claim, strict=True)
                 ],
             )
             # a handle gone with its claim still there: the answer's node lost its data
-            lost = [
-                r for r, (claim, gen, _) in zip(due, per_claim, strict=True) if claim and not gen
-            ]
+            lost = [r for r, (claim, gen) in zip(due, per_claim, strict=True) if claim and not gen]
             if lost:
                 self._lost_data()
                 self.recovery.needs_reassert.update(r.handle.answer_id for r in lost)
@@ -726,8 +742,8 @@ class RedisHub(StreamHub):
                     running_ms=self.max_generation_ms,
                 )
             self.recovery.needs_reassert.clear()
-        for r, (_, _, flagged) in zip(due, per_claim, strict=True):
-            if flagged:
+        for r, flag in zip(flags, flagged, strict=True):
+            if flag:
                 self.local.cancel(r.handle.answer_id)
         if self._unended:
             await self._end_again()
