@@ -220,6 +220,23 @@ async def test_redis_cancel_flag_is_honoured_when_pubsub_misses_it(redis_url):
             await cancelled.wait()  # picked up by the heartbeat
 
 
+async def test_redis_a_cancel_that_comes_before_its_answer_is_local_is_honoured(redis_url):
+    """Stop pressed on another process in the instant between the claim and the
+    owner holding the answer: the published cancel finds nothing to stop, and the
+    owner's next heartbeat picks its flag up."""
+    async with (
+        redis_hub(redis_url, handle_ttl=3) as owner,
+        redis_hub(redis_url, handle_ttl=3) as other,
+    ):
+        await asyncio.sleep(0.2)  # both listen, and the first beats are done
+        h = handle()
+        await other.cancel(h)  # published: nobody runs it yet
+        cancelled = asyncio.Event()
+        await owner.register(h, cancelled.set)
+        async with asyncio.timeout(3):
+            await cancelled.wait()
+
+
 async def test_redis_batches_many_events_into_few_commands(target):
     async with redis_hub(*target, flush_interval=0.05, handle_ttl=15) as owner:
         h = handle()

@@ -162,6 +162,7 @@ class RedisHub(StreamHub):
         self._outage = False
         #: whether cancels may have been published while the listener did not listen
         self._flags_unread = True
+        self._fresh: set[str] = set()  # answers registered since the last beat
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -251,6 +252,7 @@ class RedisHub(StreamHub):
         log_ = GenerationLog(handle, self._queue)
         self.local.add(log_, on_cancel, cap_key)
         self._extended[handle.answer_id] = time.monotonic()
+        self._fresh.add(handle.answer_id)
         return log_
 
     async def abandon(self, handle: Handle) -> None:
@@ -662,9 +664,10 @@ class RedisHub(StreamHub):
         """One heartbeat, in one pipeline: say this process lives (and keep its journal),
         and for each claim a quarter of its TTL old: extend it (one GETEX, which also
         says whose the claim is) and its cap entry, and on a cluster see that its
-        handle is still there (its node may have lost its data alone). After the
-        cancel listener was (re)subscribed, pick up the cancel flags of every running
-        answer: one published while it was not listening was missed. Set again a
+        handle is still there (its node may have lost its data alone). Pick up the
+        cancel flags of the answers registered since the last beat (a cancel can come
+        before an answer is held here) and, after the cancel listener was
+        (re)subscribed, of every running answer (it may have missed one). Set again a
         claim found missing, and re-assert what Redis lost."""
         running = self.local.running()
         now = time.monotonic()
@@ -673,8 +676,12 @@ class RedisHub(StreamHub):
             for r in running
             if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
         ]
-        flags = running if self._flags_unread else []
+        if self._flags_unread:
+            flags = running
+        else:  # registered since the last beat: a cancel may have come before it was local
+            flags = [r for r in running if r.handle.answer_id in self._fresh]
         self._flags_unread = False
+        self._fresh.clear()
         expiry = int(time.time() * 1000) + self.handle_ttl_ms
         by_cap: dict[str, dict[str, int]] = {}
         for r in due:
@@ -694,7 +701,7 @@ class RedisHub(StreamHub):
                     pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
                 results = await pipe.execute()
         except BaseException:
-            self._flags_unread = self._flags_unread or bool(flags)
+            self._flags_unread = self._flags_unread or bool(flags)  # read them next time
             raise
         was_alive = results[0]
         stride = 2 if self._cluster else 1
