@@ -11,16 +11,8 @@ set -euo pipefail
 name=$1
 src=$(cd "$2" && pwd)
 
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-  echo "npm_cache.sh: node or npm is missing, installing nodejs and npm with apt" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  {
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq nodejs npm
-  } >&2
-fi
-node_major=$(node -p 'process.versions.node.split(".")[0]')
+# shellcheck source=scripts/node.sh
+source "$(dirname "${BASH_SOURCE[0]}")/node.sh"
 
 key=$(
   { cat "$src/package.json" "$src/package-lock.json"; printf 'node=%s\n' "$node_major"; } |

@@ -26,16 +26,8 @@ if [ ! -f "$src/package.json" ] || [ ! -f "$src/yarn.lock" ]; then
 fi
 src=$(cd "$src" && pwd)
 
-if ! command -v node >/dev/null 2>&1; then
-  echo "perplexica_ui.sh: node is missing, installing nodejs and npm with apt" >&2
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  {
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq nodejs npm
-  } >&2
-fi
-node_major=$(node -p 'process.versions.node.split(".")[0]')
+# shellcheck source=scripts/node.sh
+source "$(dirname "${BASH_SOURCE[0]}")/node.sh"
 if [ "$node_major" -lt 18 ]; then
   echo "perplexica_ui.sh: Node $(node --version) is too old, the UI (Next.js 14) needs Node 18+" >&2
   exit 2
