@@ -34,7 +34,7 @@ import orjson
 
 from .config import EmbeddingsSettings, LLMSettings
 from .errors import ConfigError, ModelError, StreamError
-from .upstream import StreamedResponse, StreamingClient, usable_for
+from .upstream import Redirected, StreamedResponse, StreamingClient, usable_for
 
 log = logging.getLogger("app.llm")
 
@@ -230,9 +230,11 @@ class LLMClient:
                     "stream_options": {"include_usage": True},
                 }
                 response: StreamedResponse | httpx2.Response
-                if self._streaming is not None:
+                try:
+                    if self._streaming is None:
+                        raise Redirected
                     response = await self._streaming.post("/chat/completions", orjson.dumps(body))
-                else:
+                except Redirected:  # a redirect is the SDK's to follow, as before
                     response = await _post_chat(client, body, stream=True)
                 try:
                     yield response

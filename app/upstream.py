@@ -12,7 +12,8 @@ with a proxy configured for the model's URL, the SDK reads the stream as before)
 
 * the SDK's headers (its auth, user agent) and its errors: a non-2xx answer is
   read and raised as the SDK raises it (`openai.APIStatusError` subclasses, from
-  `make_status_error`); a connection that cannot be made raises
+  `make_status_error`), but a redirect raises `Redirected` (for the SDK to follow,
+  as it did); a connection that cannot be made raises
   `openai.APIConnectionError` (`openai.APITimeoutError` when out of time) with
   the OS's error as its cause; no answer within `read_timeout` before the
   headers raises `openai.APITimeoutError`, and after them, while the body is
@@ -49,6 +50,10 @@ HIGH_WATER = 1 << 16
 MAX_CONNECTIONS = 1000
 #: how long a finished response's connection waits for the end of its message
 LINGER_SECONDS = 1.0
+
+
+class Redirected(Exception):
+    """The server answered with a redirect (to `args[0]`): not followed here."""
 
 
 class Connection(asyncio.Protocol):
@@ -306,6 +311,9 @@ class StreamingClient:
         response = StreamedResponse(self, connection)
         if 200 <= connection.status < 300:
             return response
+        if 300 <= connection.status < 400 and "location" in response.headers:
+            await response.aclose()
+            raise Redirected(response.headers["location"])
         try:
             async with asyncio.timeout(self.read_timeout):
                 content = await response.aread()
@@ -445,11 +453,13 @@ class StreamingClient:
 
     def _pooled(self) -> Connection | None:
         now = time.monotonic()
+        loop = asyncio.get_running_loop()
         while self._idle:
             connection = self._idle.pop()
             transport = connection.transport
             if (
-                transport is not None
+                connection.loop is loop
+                and transport is not None
                 and not transport.is_closing()
                 and now - connection.idle_since < self.keepalive_seconds
             ):

@@ -349,3 +349,25 @@ def self_signed(tmp_path) -> tuple[str, str, ssl.SSLContext]:
     )
     trusted = ssl.create_default_context(cafile=str(cert_path))
     return str(cert_path), str(key_path), trusted
+
+
+async def test_a_redirect_is_left_to_the_sdk_as_before(model_url, fake_model):
+    """A model behind an address that redirects (307, here to another origin): the SDK
+    follows it as it did before the streaming client read the stream — to the same
+    end (httpx drops the key on a redirect to another origin, and the model refuses)."""
+    target = model_url + "/chat/completions"
+    redirect = b"HTTP/1.1 307 Temporary Redirect\r\nlocation: %s\r\ncontent-length: 0\r\n\r\n"
+    server, url, count = await raw_server(lambda n: redirect % target.encode(), close=True)
+    client = llm(url, fake_model.api_key)
+    try:
+        with pytest.raises(StreamError) as ours:
+            await deltas(client, "#tokens=3")
+        assert count[0] == 2  # the streaming client's request, then the SDK's
+        client._streaming = None  # the SDK alone
+        with pytest.raises(StreamError) as sdk:
+            await deltas(client, "#tokens=3")
+        assert ours.value.message == sdk.value.message
+        assert type(ours.value.__cause__) is type(sdk.value.__cause__) is openai.AuthenticationError
+    finally:
+        await client.aclose()
+        server.close()
