@@ -1,9 +1,11 @@
 """The one place that talks to the model (any OpenAI-compatible `/chat/completions`).
 
-Streaming reads the raw SSE lines of the response through the `openai` SDK's
-`with_streaming_response` and decodes each `data:` line with orjson; the
-SDK's parsed stream costs several times more CPU per chunk, and the per-token
-path decides how many streams a core can carry.
+Streaming reads the raw SSE lines of the response and decodes each `data:` line
+with orjson; the SDK's parsed stream costs several times more CPU per chunk, and
+the per-token path decides how many streams a core can carry. The answer's
+stream (`stream`) is read by `upstream.StreamingClient` when the model is reached
+directly (its headers and errors the SDK's), else (a proxy) through the SDK's
+client; everything else goes through the SDK.
 
 Errors: `ModelError` (CHAT_ERROR) when the model cannot be reached,
 `StreamError` (STREAM_ERROR) when it answers non-2xx or the stream breaks or
@@ -32,6 +34,7 @@ import orjson
 
 from .config import EmbeddingsSettings, LLMSettings
 from .errors import ConfigError, ModelError, StreamError
+from .upstream import Redirected, StreamedResponse, StreamingClient, usable_for
 
 log = logging.getLogger("app.llm")
 
@@ -126,6 +129,7 @@ class LLMClient:
         #: models seen to leave the opening `<think>` out (for this process)
         self.open_left_out: set[str] = set()
         self._client: openai.AsyncOpenAI | None = None
+        self._streaming: StreamingClient | None = None
         if settings.api_key:
             timeout = openai.Timeout(
                 settings.timeout_seconds,
@@ -140,6 +144,8 @@ class LLMClient:
                 # aiohttp's C parser reads the stream for a fraction of the CPU
                 http_client=openai.DefaultAioHttpClient(timeout=timeout),
             )
+            if usable_for(self._client, settings.base_url):
+                self._streaming = streaming_client(self._client, settings)
 
     @property
     def configured(self) -> bool:
@@ -188,6 +194,8 @@ class LLMClient:
                             received = True
                             if payload == b"[DONE]":
                                 done = True
+                                if isinstance(chunks, StreamedResponse):
+                                    chunks.finish()  # the connection may serve another
                                 break
                             for delta in _decode_chunk(payload, splitter):
                                 yield delta
@@ -221,7 +229,13 @@ class LLMClient:
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                response = await _post_chat(client, body, stream=True)
+                response: StreamedResponse | httpx2.Response
+                try:
+                    if self._streaming is None:
+                        raise Redirected
+                    response = await self._streaming.post("/chat/completions", orjson.dumps(body))
+                except Redirected:  # a redirect is the SDK's to follow, as before
+                    response = await _post_chat(client, body, stream=True)
                 try:
                     yield response
                 finally:
@@ -318,8 +332,29 @@ class LLMClient:
         return None
 
     async def aclose(self) -> None:
+        if self._streaming is not None:
+            await self._streaming.aclose()
         if self._client is not None:
             await self._client.close()
+
+
+def streaming_client(client: openai.AsyncOpenAI, settings: LLMSettings) -> StreamingClient:
+    """The reader of the answer's stream, with the SDK's headers (its auth included),
+    its errors, its TLS context and the model's timeouts."""
+    headers = {
+        name: value
+        for name, value in {**client.default_headers, **client.auth_headers}.items()
+        if isinstance(value, str)
+    }
+    return StreamingClient(
+        settings.base_url,
+        headers=headers,
+        make_status_error=client._make_status_error_from_response,
+        connect_timeout=settings.connect_timeout_seconds,
+        read_timeout=settings.read_timeout_seconds,
+        pool_timeout=settings.timeout_seconds,
+        ssl_context=httpx2.create_ssl_context(trust_env=True),
+    )
 
 
 class Embedder:
@@ -393,11 +428,14 @@ async def _post_chat(
 
 
 def body_reader(http: Any) -> AsyncIterable[bytes]:
-    """The bytes of a streamed response (the SDK's HTTP response), read as close to
-    the socket as it allows: with nothing content-encoded, the aiohttp response's
+    """The bytes of a streamed response, read as close to the socket as it allows:
+    a `StreamedResponse` is its own reader; of the SDK's HTTP response, with
+    nothing content-encoded, the aiohttp response's
     own reader under the SDK's transport (one call per read instead of three
     async-generator layers; the SDK's response still closes it), else the
     transport's stream, else the response's decoded bytes."""
+    if isinstance(http, StreamedResponse):
+        return http
     if http.headers.get("content-encoding", "identity") != "identity":
         return cast(AsyncIterable[bytes], http.aiter_bytes())
     stream = http.stream

@@ -7,11 +7,13 @@ token read from /proc, beside a reference relay run in the same session.
 The fast fake model (`bench.fastmodel`, core 1 with this load generator) sends each
 stream's tokens one per write, `--interval-ms` apart. Each target runs as its own
 process pinned to core 0: this server (`python -m app`, full path: parse, log,
-registry, save) over SSE, WebSocket and the OpenAI-compatible stream, and the two
-references in `bench.relay`: the minimal relay (SDK raw lines + orjson + a plain
-streaming response: parses, saves nothing) and a byte passthrough (aiohttp, parses
-nothing). Figures are medians of `--runs`; each is also given as a ratio to the
-references, which survives a noisy machine.
+registry, save) over SSE, WebSocket and the OpenAI-compatible stream, and the three
+references in `bench.relay`: the bare relay (`--bare`: an asyncio.Protocol on uvloop,
+httptools, orjson, no framework: the least any relay that reads the model does),
+the minimal relay (SDK raw lines + orjson + a plain streaming response: parses,
+saves nothing) and a byte passthrough (aiohttp, parses nothing). Figures are
+medians of `--runs`; each is also given as a ratio to the references (the bare
+relay's first), which survives a noisy machine.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ async def run_streams(kind: str, url: str, streams: int, tokens: int, rate: floa
 
     async def one(i: int) -> int:
         await asyncio.sleep(i * spacing)
-        if kind in ("relay", "passthrough"):
+        if kind in ("relay", "passthrough", "bare"):
             payload = orjson.dumps({"content": content})
             result = await sse_stream(url, {}, parse=False, path="/" + kind, payload=payload)
             return result.events - (2 if kind == "passthrough" else 0)  # finish, [DONE]
@@ -125,7 +127,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
         "--only",
-        default="passthrough,relay,sse,ws,openai,sse-redis,sse-2-workers",
+        default="bare,passthrough,relay,sse,ws,openai,sse-redis,sse-2-workers",
         help="sse-redis: one worker with the Redis hub; "
         "sse-2-workers: WEB_CONCURRENCY=2 with Redis, on both cores",
     )
@@ -133,6 +135,14 @@ def main() -> None:
     wanted = args.only.split(",")
     results: dict[str, dict[str, float]] = {}
     with fast_model() as model, tempfile.TemporaryDirectory() as tmp:
+        if "bare" in wanted:
+            port = free_port()
+            cmd = [sys.executable, "-m", "bench.relay", "--bare", "--port", str(port)]
+            with process([*cmd, "--model-url", model + "/v1"], port, core="0") as bare:
+                results["bare"] = asyncio.run(
+                    measure("bare", f"http://127.0.0.1:{port}", bare.pid, args)
+                )
+                print("bare", results["bare"], flush=True)
         references = [kind for kind in ("passthrough", "relay") if kind in wanted]
         if references:
             port = free_port()
@@ -174,22 +184,22 @@ def main() -> None:
     (RESULTS / "paced.json").write_bytes(
         orjson.dumps({"args": vars(args), "results": results}, option=orjson.OPT_INDENT_2)
     )
-    floor = results.get("relay", {}).get("us_per_token")
     print(
         f"\n{args.streams} streams × {args.tokens} tokens, one per write, {args.interval_ms:g} ms apart"
     )
-    bare = results.get("passthrough", {}).get("us_per_token")
+    references = ("bare", "passthrough", "relay")
+    floors = {kind: results.get(kind, {}).get("us_per_token") for kind in references}
     print(
-        "| target | µs of server CPU per token (user + system) | tokens per CPU-second "
-        "| × relay | × passthrough |"
+        "| target | µs of server CPU per token (user + system) | tokens per CPU-second | "
+        + " | ".join(f"× {kind}" for kind in references)
+        + " |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|" + "---:|" * len(references))
     for kind, r in results.items():
-        ratio = f"{r['us_per_token'] / floor:.2f}" if floor else "—"
-        to_bare = f"{r['us_per_token'] / bare:.2f}" if bare else "—"
+        ratios = [f"{r['us_per_token'] / f:.2f}" if f else "—" for f in floors.values()]
         print(
             f"| {kind} | {r['us_per_token']} ({r['user_us']} + {r['system_us']}) "
-            f"| {r['tokens_per_cpu_s']:,} | {ratio} | {to_bare} |"
+            f"| {r['tokens_per_cpu_s']:,} | " + " | ".join(ratios) + " |"
         )
 
 

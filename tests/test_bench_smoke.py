@@ -92,3 +92,25 @@ async def test_the_group_commit_bench_measures_a_window(fast_app):
     assert measured["notes"]["in_order"]
     assert 0 < measured["values"]["p50_ms"] < 1000
     assert measured["values"]["tokens_per_s"] > 100
+
+
+@pytest.fixture
+def bare_relay(fast_model):
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.relay", "--bare", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--model-url", fast_model + "/v1"], cwd=ROOT)
+    try:
+        wait_for_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_the_bare_relay_reference_relays_every_token(bare_relay):
+    """bench.paced's bare relay (no framework) reads the model's stream and relays each
+    token as one SSE event, over connections it keeps alive for the next stream."""
+    from bench.paced import run_streams
+
+    for _ in range(2):  # the second round reuses the upstream connections
+        assert await run_streams("bare", bare_relay, 5, 30, 200.0) == 150

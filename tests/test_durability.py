@@ -718,3 +718,25 @@ async def test_without_redis_a_crash_loses_at_most_a_flush_interval(
     assert saved and shown.startswith(saved), (saved[-40:], shown[-40:])
     # 200 ms of tokens 10 ms apart, and a little for the kill to land
     assert shown.count("tok") - saved.count("tok") <= 30
+
+
+def test_a_running_answers_progress_reads_only_what_was_added():
+    """What a checkpoint saves grows with the answer, read incrementally: the same as
+    joining everything written so far, at every step."""
+    from app.chat.keeper import Progress, steps_of
+    from app.events import Event
+
+    progress, content, reasoning, events = Progress(), [], [], []
+    for i in range(6):
+        content.append(f"tok{i} ")
+        if i % 2:
+            reasoning.append(f"r{i}")
+        events.append(
+            Event("progress" if i % 3 == 0 else "message", "c", "a", {"data": f"s{i}"}, i + 1)
+        )
+        progress.update(content, reasoning, events)
+        assert progress.content == "".join(content)
+        assert progress.reasoning == "".join(reasoning)
+        assert progress.steps == steps_of(events)
+    progress.update(content, reasoning, events)  # nothing new: nothing changes
+    assert progress.steps == ["s0", "s3"]

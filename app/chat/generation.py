@@ -44,7 +44,7 @@ from ..streams import LogWriter, StreamHub
 from .agent import Researcher, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
-from .keeper import AnswerKeeper, steps_of
+from .keeper import AnswerKeeper, Progress, steps_of
 from .modes import MODES, PLAIN_PROMPT, WebSources
 
 log = logging.getLogger("app.chat")
@@ -109,6 +109,7 @@ class Generation:
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
+        self._progress = Progress()
         self.work = asyncio.get_running_loop().create_task(
             self._generate(), name=f"answer-{handle.answer_id}"
         )
@@ -119,12 +120,11 @@ class Generation:
 
     def progress(self) -> tuple[int, Checkpoint]:
         """The seq of the last event written so far, and the answer as far as it got
-        (what a checkpoint saves)."""
+        (what a checkpoint saves); it costs what was written since the last call."""
+        progress = self._progress
+        progress.update(self.content, self.reasoning, self.out.log.events)
         return self.out.seq, Checkpoint(
-            self.handle.answer_id,
-            "".join(self.content),
-            "".join(self.reasoning),
-            steps_of(self.out.log.events),
+            self.handle.answer_id, progress.content, progress.reasoning, list(progress.steps)
         )
 
     def request_cancel(self) -> None:

@@ -334,3 +334,31 @@ def saved_from(logged: Sequence[Event], fallback: StoredMessage | None = None) -
 def steps_of(logged: Sequence[Event]) -> list[str]:
     """An answer's progress lines, in order."""
     return [str(e.data.get("data", "")) for e in logged if e.type == "progress"]
+
+
+class Progress:
+    """A running answer as far as it got, kept up as it grows: each `update` reads
+    only what was added since the last one. A checkpoint every `flush_interval_ms`
+    that joined the whole answer and walked all of its events again cost, over a
+    long answer, time growing with the square of its length."""
+
+    __slots__ = ("content", "reasoning", "steps", "_content", "_reasoning", "_events")
+
+    def __init__(self) -> None:
+        self.content = self.reasoning = ""
+        self.steps: list[str] = []
+        self._content = self._reasoning = self._events = 0  # how many were read
+
+    def update(
+        self, content: Sequence[str], reasoning: Sequence[str], events: Sequence[Event]
+    ) -> None:
+        """Take in what was appended to these (append-only) sequences since last time."""
+        if len(content) > self._content:
+            self.content += "".join(content[self._content :])
+            self._content = len(content)
+        if len(reasoning) > self._reasoning:
+            self.reasoning += "".join(reasoning[self._reasoning :])
+            self._reasoning = len(reasoning)
+        if len(events) > self._events:
+            self.steps.extend(steps_of(events[self._events :]))
+            self._events = len(events)
