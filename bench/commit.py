@@ -518,7 +518,7 @@ def _load_at_start(row: Row) -> float:
     loads = row.notes.get("loadavg")
     if not isinstance(loads, list) or not loads:
         return float("nan")
-    return loads[0][0] if isinstance(loads[0], list) else loads[0]
+    return loads[0][0] if isinstance(loads[0], (list, tuple)) else loads[0]
 
 
 def render(rows: list[Row], loads: list[tuple[float, float, float]]) -> str:
