@@ -117,6 +117,8 @@ class ChatModel(Protocol):
 
 
 RETRY_AFTER_CAP = 10.0
+#: an embeddings answer bigger than this is decoded in a thread (~30 vectors of 1,024)
+DECODE_IN_THREAD_BYTES = 160 * 1024
 PROBE_SECONDS = 10.0
 
 
@@ -379,14 +381,27 @@ class Embedder:
         Asks for base64 vectors (OpenAI's compact form, which the SDK asks for too) and
         decodes the body with orjson and numpy: a batch of 1,024-dimension vectors parsed
         into the SDK's models and Python floats would hold the event loop several times
-        longer. Servers that answer plain float lists anyway are read just as well."""
+        longer. Servers that answer plain float lists anyway are read just as well.
+        The request goes through the SDK's client (headers, errors) with a body built
+        here, as `_post_chat` does: its parameter walk over every input is skipped. A
+        big answer (an import's batch) is decoded in a thread, off the loop that serves
+        the streams."""
         if self._client is None:
             raise ConfigError("no embeddings model is configured (embeddings.model)")
         with model_errors("embeddings model", self.host):
-            response = await self._client.embeddings.with_raw_response.create(
-                model=self.settings.model, input=list(texts), encoding_format="base64"
+            response = await self._client.post(
+                "/embeddings",
+                cast_to=httpx2.Response,
+                body={
+                    "model": self.settings.model,
+                    "input": list(texts),
+                    "encoding_format": "base64",
+                },
             )
-        return decode_embeddings(response.content, len(texts))
+            body = await response.aread()
+        if len(body) > DECODE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(decode_embeddings, body, len(texts))
+        return decode_embeddings(body, len(texts))
 
     async def aclose(self) -> None:
         if self._client is not None:
