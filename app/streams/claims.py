@@ -47,12 +47,19 @@ return 0
 CLAIMED, TAKEN, RECOVERING = 1, 0, -1
 
 
+def kept_for_replay(pipe: Any, chat_id: str, answer_id: str, replay_ms: int) -> None:
+    """Add to a pipeline what keeps an ended answer for replay only: its handle and
+    owner, and its chat's newest-answer pointer while it still names it, expire with
+    the replay TTL; its cancel flag goes."""
+    pipe.pexpire(k.gen(answer_id), replay_ms)
+    pipe.eval(SHORTEN, 1, k.latest(chat_id), answer_id, replay_ms)
+    pipe.pexpire(k.owner(answer_id), replay_ms)
+    pipe.delete(k.cancel(answer_id))
+
+
 def end_in(pipe: Any, handle: Handle, payload: bytes, cap_key: str | None, replay_ms: int) -> None:
     """Add to a pipeline what ends a generation's claim (see `Claims.ended`)."""
-    pipe.pexpire(k.gen(handle.answer_id), replay_ms)
-    pipe.eval(SHORTEN, 1, k.latest(handle.chat_id), handle.answer_id, replay_ms)
-    pipe.pexpire(k.owner(handle.answer_id), replay_ms)
-    pipe.delete(k.cancel(handle.answer_id))
+    kept_for_replay(pipe, handle.chat_id, handle.answer_id, replay_ms)
     if cap_key is not None:
         pipe.zrem(k.active(cap_key), handle.answer_id)
     pipe.eval(RELEASE, 1, k.run(handle.chat_id), payload)
@@ -120,11 +127,8 @@ class Claims:
         and (if still its chat's newest) pointer kept for replay only, not for as long
         as a running answer may run."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.pexpire(k.gen(answer_id), replay_ms)
-            pipe.pexpire(k.owner(answer_id), replay_ms)
-            pipe.pexpire(k.log(answer_id), replay_ms)
-            pipe.delete(k.cancel(answer_id))
-            pipe.eval(SHORTEN, 1, k.latest(chat_id), answer_id, replay_ms)
+            kept_for_replay(pipe, chat_id, answer_id, replay_ms)
+            pipe.pexpire(k.log(answer_id), replay_ms)  # its end was never written
             await pipe.execute()
 
     async def keep(self, claims: Sequence[tuple[Handle, bytes, str]]) -> list[int]:
