@@ -22,6 +22,7 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from . import config, logs
+from .demo import is_demo
 from .main import create_app, tune_gc
 from .serving import uvicorn_config
 
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.demo:
-        os.environ.update(DEMO_ENV)
+        demo = dict(DEMO_ENV)
+        if is_demo(os.environ.get("LLM_BASE_URL", "")):
+            del demo["LLM_BASE_URL"]  # the demo model already, with its options (a pace)
+        os.environ.update(demo)
         os.environ.setdefault("SEARCH_PROVIDER", "demo")
     settings = config.load()
     logs.configure()

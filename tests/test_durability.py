@@ -24,7 +24,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from app.chat.keeper import AnswerKeeper
+from app.chat.keeper import MAX_ATTEMPTS, AnswerKeeper
 from app.chores import supervised
 from app.errors import AppError, BadRequest, Unavailable
 from app.events import Handle
@@ -32,6 +32,7 @@ from app.main import create_app
 from app.search.web import until_deadline
 from app.store import (
     Chat,
+    Checkpoint,
     CollectionRecord,
     DocumentRecord,
     FileRecord,
@@ -40,11 +41,12 @@ from app.store import (
     open_store,
 )
 from app.store.base import mapping_errors
+from app.store.sqlite import sqlite_path
 from app.streams import rediskeys
 from app.streams.memory import MemoryHub
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
-from tests.conftest import USER, RedisServer, new_database
-from tests.servers import AppProcess, processes, serve
+from tests.conftest import USER, PostgresServer, RedisServer, new_database
+from tests.servers import AppProcess, free_port, processes, serve
 from tests.test_hub import redis_hub
 
 pytestmark = pytest.mark.anyio
@@ -377,6 +379,25 @@ async def test_nul_characters_are_cleaned_at_the_store_on_every_backend(store_ur
         assert (await store.get_chat("n1")).title == "title"
 
 
+async def test_lone_surrogates_are_replaced_at_the_store_on_every_backend(store_url):
+    """A web page's JSON may carry an escaped lone surrogate (`"\\ud800"`), which Python's
+    decoder lets through and neither store can keep as UTF-8: it is saved as U+FFFD."""
+    store = open_store(store_url)
+    async with store:
+        now = time.time()
+        await store.begin_answer(
+            Chat("u1", "1", "t", "webSearch", now),
+            StoredMessage("uq", "u1", "user", "q", now),
+            StoredMessage("ua", "u1", "assistant", "", now + 1, status="streaming"),
+        )
+        await store.set_sources("uq", [{"metadata": {"title": "a\ud800b"}, "pageContent": "x"}])
+        saved = Saved(content="tok\udfff", reasoning="", status="completed")
+        assert await store.finish_answer("ua", saved)
+        messages = await store.list_messages("u1")
+        assert messages[0].sources == [{"metadata": {"title": "a\ufffdb"}, "pageContent": "x"}]
+        assert messages[1].content == "tok\ufffd"
+
+
 async def test_model_output_and_questions_with_nul_are_saved_on_postgres(
     settings, postgres_server, fake_model, fake_search
 ):
@@ -454,6 +475,210 @@ async def test_one_answer_the_store_refuses_never_holds_back_the_others(tmp_path
         assert keeper.pending() == 0
         assert "answer poison is given up" in caplog.text
         assert (await store.list_messages("c0"))[-1].status == "streaming"  # left to the sweeper
+
+
+async def refuse_content(url: str, word: str) -> None:
+    """Make the database itself refuse every answer whose text holds `word`: a trigger
+    in SQLite, a CHECK constraint in PostgreSQL (rows already there are left as they are)."""
+    if url.startswith("sqlite"):
+        with contextlib.closing(sqlite3.connect(sqlite_path(url))) as db:
+            db.execute(
+                "CREATE TRIGGER refuse BEFORE UPDATE ON messages"
+                f" WHEN NEW.content LIKE '%{word}%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+            )
+            db.commit()
+        return
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            f"ALTER TABLE messages ADD CONSTRAINT refuse CHECK (content NOT LIKE '%{word}%')"
+            " NOT VALID"
+        )
+    finally:
+        await conn.close()
+
+
+async def add_answers(store, ids: list[str], at: float) -> None:
+    """A chat of one question and one `streaming` answer for each id, made at `at`."""
+    for i, answer_id in enumerate(ids):
+        await store.begin_answer(
+            Chat(f"c-{answer_id}", "1", "t", "deepSeek", at + i),
+            StoredMessage(f"q-{answer_id}", f"c-{answer_id}", "user", "q", at + i),
+            StoredMessage(answer_id, f"c-{answer_id}", "assistant", "", at + i + 0.5, "streaming"),
+        )
+
+
+async def last_message(store, answer_id: str) -> StoredMessage:
+    return (await store.list_messages(f"c-{answer_id}"))[-1]
+
+
+async def test_an_orphan_the_store_refuses_never_stops_the_sweep(store_url, caplog):
+    """Three answers left `streaming` by a process that died; the database refuses the
+    oldest (a constraint of its own). The others are closed by the first sweep all the
+    same, and the refused one is given up after a few sweeps with one ERROR line."""
+    store = open_store(store_url)
+    async with store:
+        ids = ["refused", "ok1", "ok2"]
+        await add_answers(store, ids, time.time() - 60)
+        await store.checkpoint_answers([Checkpoint(a, f"{a} so far", "", []) for a in ids])
+        await refuse_content(store_url, "refused")
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        with caplog.at_level(logging.WARNING, logger="app.keeper"):
+            assert await keeper.sweep() == 2
+            for _ in range(MAX_ATTEMPTS + 2):
+                assert await keeper.sweep() == 0
+        for answer_id in ("ok1", "ok2"):
+            row = await last_message(store, answer_id)
+            assert (row.status, row.content) == ("failed", f"{answer_id} so far")
+        assert (await last_message(store, "refused")).status == "streaming"
+        assert caplog.text.count("orphaned answer refused is given up") == 1
+        assert caplog.text.count("orphaned answer refused could not be saved") == MAX_ATTEMPTS - 1
+
+
+async def test_answers_the_store_refuses_are_given_up_by_the_running_keeper(store_url, caplog):
+    """The keeper's own loop: the database refuses one ended answer for good; every
+    other is saved, and the refused one is given up after `MAX_ATTEMPTS` tries."""
+    store = open_store(store_url)
+    async with store:
+        ids = ["refused", *(f"ok{i}" for i in range(4))]
+        await add_answers(store, ids, time.time())
+        await refuse_content(store_url, "refused")
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        await keeper.open()
+        try:
+            with caplog.at_level(logging.ERROR, logger="app.keeper"):
+                saved = [await keeper.save(a, Saved(f"{a} text", "", "completed")) for a in ids]
+                assert saved == [False, True, True, True, True]
+
+                async def all_done() -> bool:
+                    return keeper.pending() == 0
+
+                await wait_for(all_done, timeout=20)
+        finally:
+            await keeper.aclose()
+        for answer_id in ids[1:]:
+            assert (await last_message(store, answer_id)).content == f"{answer_id} text"
+        assert caplog.text.count("answer refused is given up") == 1
+
+
+class Growing:
+    """A running answer, as the keeper sees one."""
+
+    def __init__(self, answer_id: str) -> None:
+        self.answer_id = answer_id
+
+    def progress(self) -> tuple[int, Checkpoint]:
+        return 3, Checkpoint(self.answer_id, f"{self.answer_id} so far", "", [])
+
+
+async def test_a_checkpoint_the_store_refuses_for_one_answer_saves_the_others(store_url):
+    store = open_store(store_url)
+    async with store:
+        ids = ["refused", "ok1", "ok2"]
+        await add_answers(store, ids, time.time())
+        await refuse_content(store_url, "refused")
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        for answer_id in ids:
+            keeper.track(Growing(answer_id))
+        assert await keeper.checkpoint() == 2
+        for answer_id in ("ok1", "ok2"):
+            assert (await last_message(store, answer_id)).content == f"{answer_id} so far"
+        assert (await last_message(store, "refused")).content == ""
+
+
+async def test_errors_of_real_databases_read_as_what_they_are(tmp_path, postgres_url):
+    """What each database really raises: a locked SQLite file or a PostgreSQL that is
+    not there is "try again" (503); a statement that is wrong (a missing table, the
+    wrong number of arguments) is a bug (500), never "try again"; a value the database
+    refuses is a 400."""
+    import asyncpg
+
+    from app.store import postgres as pg
+    from app.store import sqlite as sq
+
+    path = tmp_path / "errors.db"
+
+    @sq.mapped
+    async def sqlite_run(sql: str, timeout: float = 5.0) -> None:
+        with contextlib.closing(sqlite3.connect(path, timeout=timeout)) as db:
+            db.execute(sql)
+
+    await sqlite_run("CREATE TABLE t (x)")
+    with pytest.raises(AppError) as bug:
+        await sqlite_run("SELECT * FROM nowhere")
+    assert type(bug.value) is AppError and bug.value.status == 500
+    with contextlib.closing(sqlite3.connect(path)) as holder:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(Unavailable):
+            await sqlite_run("INSERT INTO t VALUES (1)", timeout=0.05)
+
+    @pg.mapped
+    async def pg_run(url: str, sql: str, *args: object) -> None:
+        conn = await asyncpg.connect(url, timeout=5)
+        try:
+            await conn.execute(sql, *args)
+        finally:
+            await conn.close()
+
+    with pytest.raises(AppError) as bug:
+        await pg_run(postgres_url, "SELECT * FROM nowhere")
+    assert type(bug.value) is AppError
+    with pytest.raises(AppError) as bug:
+        await pg_run(postgres_url, "SELECT $1::int")  # the server expects 1 argument
+    assert type(bug.value) is AppError and bug.value.status == 500
+    with pytest.raises(BadRequest) as data:
+        await pg_run(postgres_url, "SELECT $1::int", "not a number")  # asyncpg refuses it
+    assert data.value.status == 400
+    with pytest.raises(BadRequest) as data:
+        await pg_run(postgres_url, "SELECT 1 / 0")
+    assert data.value.status == 400
+    with pytest.raises(Unavailable):
+        await pg_run(f"postgresql://postgres@127.0.0.1:{free_port()}/x", "SELECT 1")
+
+
+async def test_an_answer_the_store_never_took_is_saved_from_redis_after_its_process_died(
+    hosts_env, fake_model
+):
+    """An answer ends while PostgreSQL is away; its process waits longer than the
+    replay TTL for the store, then dies (kill -9). When the store is back, another
+    process saves the answer from its log, whole: the log was held meanwhile."""
+    pg = PostgresServer()
+    pg.start()
+    try:
+        env = {**hosts_env, "STORE_URL": new_database(pg.url), "STREAM_REPLAY_TTL_SECONDS": "1"}
+        with processes(2, env) as (a, b):
+            async with httpx.AsyncClient(timeout=30, event_hooks=USER) as http:
+                body = chat_body("q #tokens=30 #delay=0.05", chatId="held")
+                async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
+                    events = iter_sse(response)
+                    head = await read_events(events, 3)
+                    pg.stop()
+                    events = head + await rest(events)
+                assert events[-1].type == "messageEnd"  # the client saw nothing of it
+                await asyncio.sleep(4)  # past the replay TTL, the store still away
+                a.kill()
+                pg.start()
+
+                async def saved():
+                    answer = await http.get(b.url + "/api/chats/held")
+                    if answer.status_code != 200:
+                        return None
+                    row = answer.json()["messages"][-1]
+                    return row if row["status"] != "streaming" else None
+
+                row = await wait_for(saved, timeout=30)
+                assert row["status"] == "completed"
+                assert row["content"] == answer_of(events)
+    finally:
+        pg.remove()
 
 
 async def test_driver_errors_read_as_what_they_are():

@@ -152,12 +152,31 @@ async def test_a_second_server_on_a_taken_port_says_so_before_serving(tmp_path, 
 
 
 async def test_a_question_during_a_restart_says_so_with_retry_after(server, fake_model):
-    server.app.state.service.accepting = False
+    """While the server drains for a restart, a question on any transport is refused
+    saying so — 503 with `Retry-After` over HTTP, an `error` frame on a WebSocket
+    that stays open meanwhile — so a client tries again, elsewhere or a moment later."""
+    from httpx_ws import aconnect_ws
+
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
-        refused = await http.post("/api/chat/sse", json=chat_body("q"))
-    assert refused.status_code == 503
-    assert refused.headers["retry-after"] == "1"
-    assert "restarting" in refused.json()["data"]
+        async with aconnect_ws(server.ws_url + "/api/chat/ws", http) as ws:
+            server.app.state.service.accepting = False
+            refused = await http.post("/api/chat/sse", json=chat_body("q"))
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["key"] == "INTERNAL"  # PROTOCOL's keys: none says "restart"
+            assert "restarting" in refused.json()["data"]
+            await ws.send_text(orjson.dumps(chat_body("q")).decode())
+            frame = orjson.loads(await ws.receive_text())
+            while frame["type"] == "signal":  # the socket's own signals come first
+                frame = orjson.loads(await ws.receive_text())
+            assert (frame["type"], frame["key"]) == ("error", "INTERNAL")
+            assert "restarting" in frame["data"]
+        v1 = await http.post(
+            "/v1/chat/completions",
+            json={"model": "deepSeek", "messages": [{"role": "user", "content": "q"}]},
+        )
+    assert v1.status_code == 503 and v1.headers["retry-after"] == "1"
+    assert "restarting" in v1.json()["error"]["message"]
 
 
 class _Ids:

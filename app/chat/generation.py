@@ -193,6 +193,7 @@ class Generation:
         except BaseException:
             if images is not None:
                 images.cancel()
+                await asyncio.gather(images, return_exceptions=True)
             raise
         if images is not None:
             self.extras["images"] = [
@@ -392,6 +393,8 @@ class Generation:
         finally:
             svc.keeper.untrack(h.answer_id)
             await svc.hub.finish(h, terminal)
+            if svc.keeper.unsaved(h.answer_id):  # its log is what keeps it meanwhile
+                await svc.keeper.hold([h.answer_id])
         self._record(final, error)
         if self.new_chat:
             svc.chores.spawn(

@@ -12,12 +12,15 @@ answers, the sweeper of what a dead process left, and the last saves at shutdown
                   are marked `failed` (one process of the deployment at a time)
     shutdown      a last try at everything not yet saved; what is still refused is
                   logged by id (with Redis, another process's sweeper saves it from
-                  its log)
+                  its log, which is held for as long as the answer waits for the
+                  store: see `hold`)
 
 Errors a save meets are sorted at the store's boundary: `Unavailable` (the store
 is away or too slow) is retried for up to `KEEP_TRYING_SECONDS`; anything else
 (data the store refuses, a bug) is retried `MAX_ATTEMPTS` times, then given up
-with one ERROR line naming the answer — a dead letter, never a blocked queue.
+with one ERROR line naming the answer — a dead letter, never a blocked queue. The
+sweeper treats each orphan the same way: one the store refuses is counted and,
+past its cap, left alone, so it never stops the sweep of the others.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ SWEEP_PAGE = 200
 MAX_ATTEMPTS = 5  # saves that fail for another reason than an outage
 KEEP_TRYING_SECONDS = 3600.0  # saves that fail because the store is away
 FIRST_RETRY, LAST_RETRY = 0.2, 5.0
+#: an unsaved answer's log is held this long past each `HOLD_EVERY` (it would expire
+#: with the replay TTL otherwise, and with it what a sweeper could save it from)
+HOLD_SECONDS = KEEP_TRYING_SECONDS + 600.0
+HOLD_EVERY = 120.0
+SHUTDOWN_SECONDS = 10.0  # the last saves at shutdown, all of them together
+SAVES_AT_ONCE = 8
 #: a file still `indexing` this long after its upload, by a process no longer alive
 FILE_GRACE = 30.0
 LOST = "generation lost: its server process stopped"
@@ -68,6 +77,7 @@ class _Unsaved:
     attempts: int = 0
     next_at: float = 0.0
     delay: float = FIRST_RETRY
+    held_at: float | None = None  # when its log was last held (see `hold`)
 
 
 class AnswerKeeper:
@@ -88,6 +98,7 @@ class AnswerKeeper:
         self._running: dict[str, Running] = {}
         self._checkpointed: dict[str, int] = {}  # answer → characters last checkpointed
         self._unsaved: dict[str, _Unsaved] = {}
+        self._refused_orphans: dict[str, int] = {}  # orphan → saves the store refused
         self._retry = asyncio.Event()
         self._chores = Chores("answer keeper")
 
@@ -144,7 +155,8 @@ class AnswerKeeper:
             entry.attempts += 1
         now = time.monotonic()
         if entry.attempts >= MAX_ATTEMPTS or now - entry.since > KEEP_TRYING_SECONDS:
-            del self._unsaved[answer_id]
+            if self._unsaved.pop(answer_id, None) is None:
+                return  # given up already (by a round that ran beside this one)
             log.error(
                 "answer %s is given up: the store refused it %d times (%s)",
                 answer_id,
@@ -163,29 +175,64 @@ class AnswerKeeper:
         entry.delay = min(entry.delay * 2, LAST_RETRY)
 
     async def retry_now(self) -> int:
-        """One round: try every kept answer whose pause is over, each on its own.
-        Returns how many were saved."""
-        saved = 0
+        """One round: try every kept answer whose pause is over, each on its own (at
+        most `SAVES_AT_ONCE` at a time, so a store that hangs costs a round
+        `SAVE_SECONDS` per that many, not per answer). Returns how many were saved."""
         now = time.monotonic()
-        for answer_id, entry in list(self._unsaved.items()):
-            if entry.next_at > now:
-                continue
-            try:
-                async with asyncio.timeout(SAVE_SECONDS):
-                    await self.store.finish_answer(answer_id, entry.saved)
-            except Exception as exc:
-                self._fail(answer_id, entry, exc)
-                continue
+        due = [(a, e) for a, e in self._unsaved.items() if e.next_at <= now]
+        if not due:
+            return 0
+        slots = asyncio.Semaphore(SAVES_AT_ONCE)
+
+        async def one(answer_id: str, entry: _Unsaved) -> bool:
+            async with slots:
+                if self._unsaved.get(answer_id) is not entry:
+                    return False  # saved or given up meanwhile
+                try:
+                    async with asyncio.timeout(SAVE_SECONDS):
+                        await self.store.finish_answer(answer_id, entry.saved)
+                except Exception as exc:
+                    self._fail(answer_id, entry, exc)
+                    return False
             self._unsaved.pop(answer_id, None)
-            saved += 1
             log.info("answer %s saved after the store came back", answer_id)
-        return saved
+            return True
+
+        results = await asyncio.gather(*(one(a, e) for a, e in due))
+        return sum(results)
+
+    async def hold(self, answer_ids: Sequence[str] | None = None) -> None:
+        """Keep the logs of answers the store has not taken yet (those named, or every
+        one last held `HOLD_EVERY` ago) for `HOLD_SECONDS`: an ended answer's log
+        otherwise expires with the replay TTL, and if this process died before the
+        store came back, the sweeper would find nothing to save it from. Never raises:
+        a registry that is away is asked again at the next round."""
+        now = time.monotonic()
+        if answer_ids is None:
+            answer_ids = [
+                a
+                for a, e in self._unsaved.items()
+                if e.held_at is None or now - e.held_at >= HOLD_EVERY
+            ]
+        held = [a for a in answer_ids if a in self._unsaved]
+        if not held:
+            return
+        try:
+            await self.hub.hold(held, HOLD_SECONDS)
+        except AppError as exc:
+            log.debug("logs of unsaved answers not held yet: %s", exc.message)
+            return
+        for answer_id in held:
+            entry = self._unsaved.get(answer_id)
+            if entry is not None:
+                entry.held_at = now
 
     async def _saver(self) -> None:
         while True:
             await self._retry.wait()
             while self._unsaved:
                 await self.retry_now()
+                await self.hold()
                 if self._unsaved:
                     wait = min(e.next_at for e in self._unsaved.values()) - time.monotonic()
                     await asyncio.sleep(max(wait, 0.05))
@@ -204,13 +251,30 @@ class AnswerKeeper:
                 due.append((seq, progress))
         if not due:
             return 0
-        async with asyncio.timeout(SAVE_SECONDS):
-            await self.store.checkpoint_answers([progress for _, progress in due])
+        try:
+            async with asyncio.timeout(SAVE_SECONDS):
+                await self.store.checkpoint_answers([progress for _, progress in due])
+        except (Unavailable, TimeoutError):
+            raise
+        except AppError as exc:  # one answer the store refuses: the others still go
+            log.warning("a checkpoint was refused (%s); saving answers one by one", exc.message)
+            due = [entry for entry in due if await self._checkpoint_one(*entry)]
         for seq, progress in due:
             if progress.answer_id in self._running:
                 self._checkpointed[progress.answer_id] = seq
                 self.hub.release_saved(progress.answer_id, seq)
         return len(due)
+
+    async def _checkpoint_one(self, seq: int, progress: Checkpoint) -> bool:
+        try:
+            async with asyncio.timeout(SAVE_SECONDS):
+                await self.store.checkpoint_answers([progress])
+        except (Unavailable, TimeoutError):
+            raise
+        except AppError as exc:
+            log.warning("checkpoint of answer %s refused: %s", progress.answer_id, exc.message)
+            return False
+        return True
 
     async def _checkpointer(self) -> None:
         """Without Redis, every `checkpoint_interval`; with it, only while it is away
@@ -234,6 +298,15 @@ class AnswerKeeper:
         returns how many it closed."""
         if not await self.hub.lead("sweeper", ttl=self.sweep_interval * 3):
             return 0
+        try:
+            closed = await self._sweep_answers()
+        except (AppError, TimeoutError) as exc:  # the files' sweep goes on regardless
+            log.info("sweep of answers skipped: %s", getattr(exc, "message", repr(exc)))
+            closed = 0
+        await self._sweep_files()
+        return closed
+
+    async def _sweep_answers(self) -> int:
         closed = 0
         # a claim outlives a dead owner by handle_ttl: younger rows cannot be orphans yet
         before = time.time() - max(SWEEP_GRACE, self.hub.claim_ttl)
@@ -243,7 +316,9 @@ class AnswerKeeper:
             candidates = [
                 answer
                 for answer in page
-                if answer.id not in self._running and answer.id not in self._unsaved
+                if answer.id not in self._running
+                and answer.id not in self._unsaved
+                and self._refused_orphans.get(answer.id, 0) < MAX_ATTEMPTS
             ]
             states = await self.hub.states([(a.chat_id, a.id) for a in candidates])
             orphans = [
@@ -256,6 +331,11 @@ class AnswerKeeper:
             if len(page) < SWEEP_PAGE:
                 break
             after = (page[-1].created_at, page[-1].id)
+        return closed
+
+    async def _sweep_files(self) -> None:
+        """Mark uploads and collection documents left `indexing` by a process that
+        died as failed (whatever became of the answers' sweep)."""
         files = await self.store.fail_orphaned_files(FILE_LOST, time.time() - FILE_GRACE)
         if files:
             log.info("marked %d uploads left indexing by a stopped process as failed", files)
@@ -267,11 +347,33 @@ class AnswerKeeper:
                 "marked %d collection documents left indexing by a stopped process as failed",
                 documents,
             )
-        return closed
 
     async def _close_orphan(self, answer: StoredMessage, logged: list[Event]) -> int:
+        """Save one orphan. A store that is away stops the sweep (the next one goes
+        on); one that refuses this answer is counted against it, and past
+        `MAX_ATTEMPTS` the answer is left `streaming` with one ERROR line naming it,
+        so it never holds back the orphans after it."""
         saved = saved_from(logged, fallback=answer)
-        if not await self.store.finish_answer(answer.id, saved, only_streaming=True):
+        try:
+            async with asyncio.timeout(SAVE_SECONDS):
+                done = await self.store.finish_answer(answer.id, saved, only_streaming=True)
+        except (Unavailable, TimeoutError):
+            raise
+        except Exception as exc:
+            refused = self._refused_orphans[answer.id] = self._refused_orphans.get(answer.id, 0) + 1
+            if refused >= MAX_ATTEMPTS:
+                log.error(
+                    "orphaned answer %s is given up: the store refused it %d times",
+                    answer.id,
+                    refused,
+                    exc_info=exc,
+                    extra={"fields": {"deadLetter": answer.id, "chars": len(saved.content)}},
+                )
+            else:
+                log.warning("orphaned answer %s could not be saved: %r", answer.id, exc)
+            return 0
+        self._refused_orphans.pop(answer.id, None)
+        if not done:
             return 0
         log.info("closed orphaned answer %s as %s", answer.id, saved.status)
         try:
@@ -284,8 +386,8 @@ class AnswerKeeper:
         while True:
             try:
                 await self.sweep()
-            except AppError as exc:
-                log.info("sweep skipped: %s", exc.message)
+            except (AppError, TimeoutError) as exc:
+                log.info("sweep skipped: %s", getattr(exc, "message", repr(exc)))
             await asyncio.sleep(self.sweep_interval)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -297,14 +399,21 @@ class AnswerKeeper:
         self._chores.loop("checkpoints", self._checkpointer)
 
     async def aclose(self) -> None:
-        """A last try at every answer still unsaved, then stop the loops."""
+        """Stop the loops, then a last try at every answer still unsaved (all of them
+        within `SHUTDOWN_SECONDS`); what the store still has not taken is logged by id,
+        its log held for another process's sweeper."""
+        await self._chores.aclose()
         for entry in self._unsaved.values():
             entry.next_at = 0.0
         if self._unsaved:
-            await self.retry_now()
+            try:
+                async with asyncio.timeout(SHUTDOWN_SECONDS):
+                    await self.retry_now()
+            except TimeoutError:
+                pass
+            await self.hold(list(self._unsaved))
         for answer_id in self._unsaved:
             log.error("answer %s is not saved: the store is unavailable", answer_id)
-        await self._chores.aclose()
 
 
 def saved_from(logged: Sequence[Event], fallback: StoredMessage | None = None) -> Saved:

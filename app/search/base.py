@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import json
 import logging
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
@@ -10,7 +11,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import orjson
 
+from ..cleaning import clean
 from ..errors import SearchError
 
 log = logging.getLogger("app.search")
@@ -193,7 +196,11 @@ class SearchProvider(abc.ABC):
             log.warning("%s answered %d", self.name, response.status_code)
             raise SearchError(f"{self.name} answered {response.status_code}")
         try:
-            return response.json()
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            pass  # not JSON, or JSON that orjson holds too strictly (a lone surrogate, NaN)
+        try:
+            return clean(json.loads(response.content))
         except ValueError as exc:
             raise SearchError(f"{self.name} answered with a body that is not JSON") from exc
 

@@ -198,7 +198,9 @@ class WebSearch:
             async with asyncio.timeout(PROBE_SECONDS):
                 _, writer = await asyncio.open_connection(url.hostname, port)
         except socket.gaierror:
-            return f"{who} cannot be reached: its address does not resolve (offline?)"
+            return (
+                f"{who} cannot be reached: its address does not resolve — is this server offline?"
+            )
         except ConnectionRefusedError:
             return f"{who} refused the connection: nothing listens at its address"
         except TimeoutError:

@@ -13,7 +13,6 @@ Errors are mapped at this boundary: a backend that cannot be reached raises
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ParamSpec, TypeVar
 
+from ..cleaning import clean
 from ..errors import AppError, BadRequest, Conflict, Forbidden, Unavailable
 
 log = logging.getLogger("app.store")
@@ -505,23 +505,31 @@ T = TypeVar("T")
 Method = Callable[P, Coroutine[Any, Any, T]]
 
 
+def _always(exc: BaseException) -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class DriverErrors:
     """How a backend's driver errors read (a tuple of classes each, checked in this
-    order): `unavailable`, the database cannot be reached or used now (retry later);
-    `conflict`, a key or constraint the write broke; `data`, a value the database
-    cannot keep. Any other driver error is a bug: 500 `INTERNAL`, logged."""
+    order): `conflict`, a key or constraint the write broke; `data`, a value the
+    database cannot keep; `unavailable`, the database cannot be reached or used now
+    (retry later) — where `outage` says so of the error: a class a driver raises for
+    an outage and for a mistake alike (SQLite's `OperationalError` is both "database
+    is locked" and "no such column") is told apart by it. Any other driver error is
+    a bug: 500 `INTERNAL`, logged."""
 
     unavailable: tuple[type[BaseException], ...]
     conflict: tuple[type[BaseException], ...] = ()
     data: tuple[type[BaseException], ...] = ()
     every: tuple[type[BaseException], ...] = ()  # the driver's root error(s)
+    outage: Callable[[BaseException], bool] = _always
 
 
 def mapping_errors(errors: DriverErrors) -> Callable[[Method[P, T]], Method[P, T]]:
     """A decorator for a backend's methods: the arguments are cleaned of NUL
-    characters (which PostgreSQL's text and jsonb refuse, and model output or a web
-    page may hold), and the driver's errors become ours (see `DriverErrors`); our
+    characters and lone surrogates (which PostgreSQL's text and jsonb refuse, and
+    model output or a web page may hold: see `clean`), and the driver's errors become ours (see `DriverErrors`); our
     own errors (`Conflict` raised where a key is taken) pass."""
 
     def decorate(method: Method[P, T]) -> Method[P, T]:
@@ -533,14 +541,17 @@ def mapping_errors(errors: DriverErrors) -> Callable[[Method[P, T]], Method[P, T
                 return await method(*args, **kwargs)
             except AppError:
                 raise
-            except errors.unavailable as exc:
-                raise unavailable(exc) from exc
             except errors.conflict as exc:
                 log.warning("store refused a write: %r", exc)
                 raise Conflict("the store refused a conflicting write") from exc
             except errors.data as exc:
                 log.warning("store refused a value: %r", exc)
                 raise BadRequest("the store cannot keep a value of this request") from exc
+            except errors.unavailable as exc:
+                if errors.outage(exc):
+                    raise unavailable(exc) from exc
+                log.error("store failed in %s", method.__name__, exc_info=exc)
+                raise AppError("internal error") from exc
             except errors.every as exc:
                 log.error("store failed in %s", method.__name__, exc_info=exc)
                 raise AppError("internal error") from exc
@@ -548,34 +559,6 @@ def mapping_errors(errors: DriverErrors) -> Callable[[Method[P, T]], Method[P, T
         return wrapper
 
     return decorate
-
-
-def clean(value: Any) -> Any:
-    """`value` without NUL characters in any of its text: strings, and the strings
-    inside lists, tuples, dicts and dataclasses (bytes are left as they are). What
-    holds none is returned as it is, so the usual call costs a scan and nothing more."""
-    if isinstance(value, str):
-        return value.replace("\x00", "") if "\x00" in value else value
-    if isinstance(value, list):
-        cleaned = [clean(v) for v in value]
-        return value if all(a is b for a, b in zip(cleaned, value, strict=True)) else cleaned
-    if isinstance(value, tuple):
-        cleaned_t = tuple(clean(v) for v in value)
-        return value if all(a is b for a, b in zip(cleaned_t, value, strict=True)) else cleaned_t
-    if isinstance(value, dict):
-        items = [(clean(k), clean(v)) for k, v in value.items()]
-        if all(ck is k and cv is v for (ck, cv), (k, v) in zip(items, value.items(), strict=True)):
-            return value
-        return dict(items)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changed = {}
-        for f in dataclasses.fields(value):
-            old = getattr(value, f.name)
-            new = clean(old)
-            if new is not old:
-                changed[f.name] = new
-        return dataclasses.replace(value, **changed) if changed else value
-    return value
 
 
 def unavailable(exc: BaseException) -> Unavailable:

@@ -248,10 +248,19 @@ MIGRATIONS = (
     """,
 )
 
+
 #: how asyncpg's errors read: the database cannot be reached or used now (connection
 #: trouble; refusing writes after a failover; out of resources; shutting down; a
 #: statement timeout; a deadlock or serialization failure, which a retry resolves), a
 #: broken constraint, a value it cannot keep (a NUL in text, say); anything else is a bug
+def _misused(exc: BaseException) -> bool:
+    """An `InterfaceError` that is a mistake of ours, not a connection that went:
+    a query given the wrong number of arguments, a setting the driver refuses."""
+    if isinstance(exc, asyncpg.exceptions._base.ClientConfigurationError):
+        return True
+    return type(exc) is asyncpg.InterfaceError and "argument" in str(exc)
+
+
 ERRORS = DriverErrors(
     unavailable=(
         OSError,
@@ -269,8 +278,10 @@ ERRORS = DriverErrors(
         asyncpg.exceptions.InternalClientError,
     ),
     conflict=(asyncpg.IntegrityConstraintViolationError,),
-    data=(asyncpg.DataError,),
+    # class 22 from the server, and a value asyncpg itself cannot send as its type
+    data=(asyncpg.DataError, asyncpg.exceptions._base.DataError),
     every=(asyncpg.PostgresError,),
+    outage=lambda exc: not _misused(exc),
 )
 COMMAND_SECONDS = 10.0
 

@@ -268,12 +268,39 @@ MIGRATIONS = (
     """,
 )
 
+#: SQLite's primary result codes of a database that cannot be used now, rather than
+#: of a statement that is wrong (SQLITE_ERROR: "no such column", a syntax error)
+OUTAGE_CODES = {
+    sqlite3.SQLITE_BUSY,
+    sqlite3.SQLITE_LOCKED,
+    sqlite3.SQLITE_NOMEM,
+    sqlite3.SQLITE_READONLY,
+    sqlite3.SQLITE_INTERRUPT,
+    sqlite3.SQLITE_IOERR,
+    sqlite3.SQLITE_CORRUPT,
+    sqlite3.SQLITE_FULL,
+    sqlite3.SQLITE_CANTOPEN,
+    sqlite3.SQLITE_PROTOCOL,
+    sqlite3.SQLITE_NOTADB,
+}
+
+
+def _outage(exc: BaseException) -> bool:
+    """Whether an `OperationalError` says the database cannot be used now (locked,
+    busy, a disk that failed or is full) — not that the statement is wrong."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(exc, sqlite3.Error) or code is None:
+        return True
+    return code & 0xFF in OUTAGE_CODES
+
+
 mapped = mapping_errors(
     DriverErrors(
         unavailable=(sqlite3.OperationalError, OSError, TimeoutError),
         conflict=(sqlite3.IntegrityError,),
         data=(sqlite3.DataError,),
         every=(sqlite3.Error,),
+        outage=_outage,
     )
 )
 

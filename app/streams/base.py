@@ -356,6 +356,11 @@ class StreamHub(abc.ABC):
         """An answer whose process died has been saved (see the sweeper): what is kept
         of it expires with the replay TTL from now, as an answer's that ended does."""
 
+    async def hold(self, answer_ids: Sequence[str], seconds: float) -> None:  # noqa: B027
+        """Keep what is logged of these ended answers for `seconds` from now, however
+        soon it would have expired: the store has not taken them yet, and if this
+        process dies before it does, their log is what the sweeper saves them from."""
+
     @abc.abstractmethod
     async def lead(self, chore: str, ttl: float) -> bool:
         """Whether this process should run a chore that one process of the deployment

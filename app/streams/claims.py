@@ -131,6 +131,15 @@ class Claims:
             pipe.pexpire(k.log(answer_id), replay_ms)  # its end was never written
             await pipe.execute()
 
+    async def hold(self, answer_ids: Sequence[str], ms: int) -> None:
+        """Keep the log, handle and owner of ended answers for `ms` from now (an answer
+        the store has not taken yet)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for answer_id in answer_ids:
+                for key in (k.log(answer_id), k.gen(answer_id), k.owner(answer_id)):
+                    pipe.pexpire(key, ms)
+            await pipe.execute()
+
     async def keep(self, claims: Sequence[tuple[Handle, bytes, str]]) -> list[int]:
         """Set again claims found gone (Redis lost them) where still free, with their cap
         entries: 1 ours, 2 set again, 0 another generation's — one for each."""

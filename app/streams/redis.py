@@ -311,6 +311,10 @@ class RedisHub(StreamHub):
         async with self._unavailable():
             await self.claims.orphaned(chat_id, answer_id, self.replay_ttl_ms)
 
+    async def hold(self, answer_ids: Sequence[str], seconds: float) -> None:
+        async with self._unavailable():
+            await self.claims.hold(answer_ids, int(seconds * 1000))
+
     async def _end_again(self) -> None:
         """The ends Redis did not take (see `finish`), once their events are written:
         until then a follower could still need the log to go on."""
