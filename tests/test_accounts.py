@@ -435,6 +435,48 @@ async def test_a_daily_quota_stops_questions_before_the_model_on_every_transport
             await sse_chat(admin, question("the admin's first"))
 
 
+async def test_deleting_a_chat_or_regenerating_gives_no_quota_back(settings, fake_model):
+    limited = settings.replace(auth={"mode": "accounts"}, limits={"tokens_per_day": 1})
+    with serve(create_app(limited)) as server:
+        async with browser(server.url) as admin, browser(server.url) as user:
+            await sign_up(admin, "admin@example.test")
+            target = await sign_up(user, "user@example.test")
+
+            async def used() -> int:
+                listed = (await admin.get("/api/admin/users")).json()["users"]
+                return {u["id"]: u["tokensToday"] for u in listed}[target["id"]]
+
+            async def quota(tokens: int | None) -> None:
+                changed = await admin.patch(
+                    f"/api/admin/users/{target['id']}", json={"tokensPerDay": tokens}
+                )
+                assert changed.status_code == 200
+
+            events = await sse_chat(user, question("first #tokens=40", chatId="c1"))
+            assert events[-1].data["status"] == "completed"
+            spent = await used()
+            assert spent > 0
+            assert (await user.post("/api/chat/sse", json=question("more"))).status_code == 429
+            # the chat with the answer is deleted: what it used stays used
+            assert (await user.delete("/api/chats/c1")).status_code == 200
+            assert (await user.get("/api/usage")).json()["total"]["answers"] == 0
+            assert await used() == spent
+            again = await user.post("/api/chat/sse", json=question("and now?"))
+            assert again.status_code == 429 and "daily token quota" in again.json()["data"]
+
+            # room for one more question: regenerating a long answer as a short one
+            await quota(spent + 1)
+            events = await sse_chat(user, question("long #tokens=40", chatId="c2", messageId="q2"))
+            assert events[-1].data["status"] == "completed"
+            await quota(await used() + 1)
+            events = await sse_chat(user, question("short #tokens=1", chatId="c2", messageId="q2"))
+            assert events[-1].data["status"] == "completed"  # the regenerated answer
+            history = (await user.get("/api/chats/c2")).json()["messages"]
+            assert len(history) == 2  # the long answer is gone ...
+            refused = await user.post("/api/chat/sse", json=question("more"))
+            assert refused.status_code == 429  # ... and still counted
+
+
 async def test_static_keys_work_beside_accounts(settings, fake_model):
     both = settings.replace(auth={"mode": "accounts", "api_keys": {"ops-key": "ops"}})
     with serve(create_app(both)) as server:

@@ -9,7 +9,6 @@ another origin.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 from urllib.parse import quote
 
@@ -261,8 +260,7 @@ async def admin_users(request: Request) -> Response:
     """`GET /api/admin/users` → every account with its quota and its tokens today."""
     _admin(request)
     quota: Quota = request.app.state.quota
-    now = time.time()
-    used = await request.app.state.service.store.usage_by_user(now - now % 86400)
+    used = await quota.used_today_by_user()
     users = await _accounts(request).list_users()
     return JSONResponse(
         {
