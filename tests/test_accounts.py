@@ -13,8 +13,11 @@ import time
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from httpx_ws import WebSocketDisconnect, aconnect_ws
 
+from app.errors import RateLimited
+from app.identity.throttle import PER_ACCOUNT, PER_ADDRESS, SignInThrottle
 from app.main import create_app
 from tests.client import iter_sse, sse_chat
 from tests.identity import PASSWORD, browser, question, sign_in, sign_up
@@ -157,6 +160,115 @@ async def test_wrong_passwords_are_throttled_per_account_and_per_address(server)
             "/api/auth/login", json={"email": "b@example.test", "password": PASSWORD}
         )
         assert refused.status_code == 429
+
+
+async def test_wrong_passwords_sent_at_once_are_each_counted_before_any_is_checked(server):
+    """Twenty guesses in parallel: each is counted before its password is checked, so
+    no more than the account's limit get an answer from the password check."""
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=120, headers={"origin": server.url}
+    ) as http:
+        await sign_up(http, "a@example.test")
+        guesses = await asyncio.gather(
+            *(
+                http.post(
+                    "/api/auth/login", json={"email": "a@example.test", "password": f"guess {n}"}
+                )
+                for n in range(20)
+            )
+        )
+        statuses = sorted(r.status_code for r in guesses)
+        assert statuses.count(401) <= 5 and statuses.count(401) + statuses.count(429) == 20
+        assert (
+            await http.post(
+                "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}
+            )
+        ).status_code == 429
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["memory", "redis"])
+async def test_the_throttle_counts_each_attempt_in_one_step(shared, request):
+    redis = aioredis.Redis.from_url(request.getfixturevalue("redis_url")) if shared else None
+    throttle = SignInThrottle(redis)
+    try:
+        results = await asyncio.gather(
+            *(throttle.attempt("a@example.test", "10.0.0.1") for _ in range(20)),
+            return_exceptions=True,
+        )
+        assert results.count(None) == PER_ACCOUNT
+        assert all(isinstance(r, RateLimited) for r in results if r is not None)
+        with pytest.raises(RateLimited, match="account"):
+            await throttle.attempt("a@example.test", "10.0.0.1")
+        # the address counts the 5 that were checked; b fails 4 times, then gets it right:
+        # its count is cleared, the address's holds its failures
+        for _ in range(PER_ACCOUNT - 1):
+            await throttle.attempt("b@example.test", "10.0.0.1")
+        await throttle.attempt("b@example.test", "10.0.0.1")
+        await throttle.succeeded("b@example.test", "10.0.0.1")
+        for _ in range(PER_ACCOUNT):
+            await throttle.attempt("b@example.test", "10.0.0.1")
+        for n in range(PER_ADDRESS - 3 * PER_ACCOUNT + 1):
+            await throttle.attempt(f"u{n}@example.test", "10.0.0.1")
+        with pytest.raises(RateLimited, match="address"):
+            await throttle.attempt("new@example.test", "10.0.0.1")
+    finally:
+        if redis is not None:
+            await redis.aclose()
+
+
+async def test_sign_up_is_throttled_per_address_and_refused_before_any_hashing(settings):
+    invite_only = settings.replace(auth={"mode": "accounts", "signup": "invite"})
+    with serve(create_app(invite_only)) as server:
+        passwords = server.app.state.identity.accounts.passwords
+        async with browser(server.url) as http:
+            await sign_up(http, "admin@example.test")
+            hashed = passwords.hashed
+            for body in (
+                {"invite": "inv_made-up"},
+                {},
+                {"invite": "inv_made-up", "email": "admin@example.test"},
+            ):
+                refused = await http.post(
+                    "/api/auth/signup",
+                    json={"email": "b@example.test", "password": PASSWORD, **body},
+                )
+                assert refused.status_code in (403, 409), refused.text
+            assert passwords.hashed == hashed  # no password was hashed for any of them
+            statuses = []
+            for n in range(20):
+                response = await http.post(
+                    "/api/auth/signup", json={"email": f"u{n}@example.test", "password": PASSWORD}
+                )
+                statuses.append(response.status_code)
+            # 20 sign-ups from one address in a window, the admin's first among them
+            assert statuses[:16] == [403] * 16 and statuses[16:] == [429] * 4
+            assert 1 <= int(response.headers["retry-after"]) <= 15 * 60
+            assert passwords.hashed == hashed
+        elsewhere = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with browser(server.url, transport=elsewhere) as neighbour:
+            other = await neighbour.post(
+                "/api/auth/signup", json={"email": "c@example.test", "password": PASSWORD}
+            )
+            assert other.status_code == 403  # its own count: refused by the rule, not throttled
+
+
+async def test_a_sign_up_flood_is_refused_at_once_while_passwords_queue(settings):
+    with serve(create_app(settings.replace(auth={"mode": "accounts"}))) as server:
+        server.app.state.identity.accounts.passwords.max_waiting = 1
+        async with browser(server.url) as http:
+            answers = await asyncio.gather(
+                *(
+                    http.post(
+                        "/api/auth/signup",
+                        json={"email": f"u{n}@example.test", "password": PASSWORD},
+                    )
+                    for n in range(8)
+                )
+            )
+        statuses = sorted(r.status_code for r in answers)
+        assert statuses.count(201) >= 3 and 503 in statuses
+        busy = next(r for r in answers if r.status_code == 503)
+        assert busy.headers["retry-after"] and "busy" in busy.json()["data"]
 
 
 async def test_sign_out_ends_the_session_and_a_cookie_of_nobody_is_refused(server, fake_model):

@@ -4,7 +4,8 @@ user.py       User: the leaf every layer shares
 resolver.py   Identity: static keys, session cookies, per-user API keys, bearer JWTs → User
 accounts.py   Accounts: sign-up, sign-in, sessions, keys, invites, admin changes
 passwords.py  Argon2id, off the event loop
-throttle.py   failed sign-ins per account and per address (Redis or memory)
+throttle.py   sign-in attempts per account and per address, sign-ups per address
+              (Redis or memory)
 jwt.py        bearer JWTs: signature, algorithm, exp/nbf/iss/aud
 oidc.py       sign-in with an OpenID Connect provider (authlib, PKCE, state, nonce)
 keys.py       discovery documents and JWKS, cached, fetched again on rotation

@@ -23,6 +23,7 @@ from ..config import AuthSettings
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from ..ids import Snowflake
 from ..store import Account, AccountChange, ApiKey, Store
+from ..store.base import bad_invite
 from .passwords import MAX_LENGTH, MIN_LENGTH, Passwords
 from .throttle import SignInThrottle
 from .tokens import API_KEY_PREFIX, new_token, token_hash
@@ -84,33 +85,54 @@ class Accounts:
     # -- password accounts ----------------------------------------------------------------
 
     async def sign_up(
-        self, email: Any, password: Any, name: Any = None, invite: Any = None
+        self,
+        email: Any,
+        password: Any,
+        name: Any = None,
+        invite: Any = None,
+        address: str = "unknown",
     ) -> tuple[Account, str]:
-        """A new password account and its first session's token. `BadRequest` for a bad
-        email or a weak password, `Conflict` (409) for a taken email, `Forbidden` when
-        the sign-up rule refuses (see the module docstring)."""
-        address = normal_email(email)
+        """A new password account and its first session's token. `RateLimited` past the
+        sign-ups allowed from the client's `address`, `BadRequest` for a bad email or a
+        weak password, `Conflict` (409) for a taken email, `Forbidden` when the sign-up
+        rule refuses (see the module docstring), `Unavailable` (503) when too many
+        passwords wait to be hashed. Everything that can refuse is asked before the
+        password is hashed, the one costly step."""
+        await self.throttle.sign_up(address)
+        who = normal_email(email)
         if not isinstance(password, str) or not MIN_LENGTH <= len(password) <= MAX_LENGTH:
             raise BadRequest(f"the password must be {MIN_LENGTH} to {MAX_LENGTH} characters long")
         await self._may_sign_up(invite)
+        if await self.store.account_by_email(who) is not None:
+            raise Conflict("an account with this email exists already")
         account = Account(
             id=self.ids.next_str(),
-            name=text_field(name, "name", address.split("@")[0]),
-            email=address,
+            name=text_field(name, "name", who.split("@")[0]),
+            email=who,
             password_hash=await self.passwords.hash(password),
             created_at=time.time(),
         )
+        # the invite is spent here, in the account's own transaction (two sign-ups
+        # with one code: one account)
         made = await self.store.add_account(
             account, admin_if_none=True, invite=self._invite_hash(invite)
         )
         return made, await self.start_session(made)
 
     async def _may_sign_up(self, invite: Any) -> None:
+        """`Forbidden` when the sign-up rule refuses a new account with `invite` (checked,
+        not spent: `add_account` spends it). Until an admin exists anyone is let in."""
         rule = self.settings.signup
-        if rule == "closed" and await self.store.has_admin():
+        if rule == "open" or not await self.store.has_admin():
+            return
+        if rule == "closed":
             raise Forbidden("sign-up is closed on this server: ask its admin for an account")
-        if rule == "invite" and invite is not None and not isinstance(invite, str):
+        if invite is not None and not isinstance(invite, str):
             raise BadRequest("invite must be a string")
+        if not invite:
+            raise Forbidden("sign-up on this server needs an invite code: ask its admin for one")
+        if not await self.store.invite_usable(token_hash(invite)):
+            raise bad_invite()
 
     def _invite_hash(self, invite: Any) -> str | None:
         """What the store spends under `invite` sign-ups (a hash no code has, when the
@@ -123,12 +145,13 @@ class Accounts:
         """The account and a new session's token. `Unauthorized` for a wrong email or
         password (the same answer for both), `RateLimited` past the throttle."""
         who = email.strip().lower() if isinstance(email, str) else ""
-        await self.throttle.check(who, address)
+        # counted before the password is checked: attempts sent at once cannot all
+        # pass a check that none of them has added to yet
+        await self.throttle.attempt(who, address)
         account = await self.store.account_by_email(who) if who else None
         given = password if isinstance(password, str) and len(password) <= MAX_LENGTH else ""
         stored = account.password_hash if account is not None else None
         if account is None or not await self.passwords.verify(stored, given):
-            await self.throttle.failed(who, address)
             raise Unauthorized("wrong email or password")
         user_of(account, "session")  # a disabled account is refused here too
         await self.throttle.succeeded(who, address)

@@ -888,3 +888,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def add_invite(self, code_hash: str, created_by: str, expires_at: float) -> None:
         """An invite code (by its hash) that one sign-up may spend before `expires_at`."""
+
+    @abc.abstractmethod
+    async def invite_usable(self, code_hash: str) -> bool:
+        """Whether an invite code (by its hash) exists, is not spent and has not expired
+        (a look before a sign-up's costly work; `add_account` is what spends it)."""

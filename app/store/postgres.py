@@ -859,6 +859,15 @@ class PostgresStore(Store):
             expires_at,
         )
 
+    @mapped
+    async def invite_usable(self, code_hash: str) -> bool:
+        found = await self.pool.fetchval(
+            "SELECT 1 FROM invites WHERE code_hash = $1 AND used_by IS NULL"
+            f" AND expires_at > {NOW}",
+            code_hash,
+        )
+        return found is not None
+
     # -- knowledge collections ------------------------------------------------------------
 
     @mapped

@@ -864,6 +864,14 @@ class SQLiteStore(Store):
             (code_hash, created_by, time.time(), expires_at),
         )
 
+    @mapped
+    async def invite_usable(self, code_hash: str) -> bool:
+        rows = await self._rows(
+            "SELECT 1 FROM invites WHERE code_hash = ? AND used_by IS NULL AND expires_at > ?",
+            (code_hash, time.time()),
+        )
+        return bool(rows)
+
     # -- knowledge collections ------------------------------------------------------------
 
     @mapped

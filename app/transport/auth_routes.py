@@ -96,6 +96,12 @@ async def _body(request: Request) -> dict[str, Any]:
 # -- signing in and out -----------------------------------------------------------------------
 
 
+def _address(request: Request) -> str:
+    """The client's address, as sign-in and sign-up throttles count it (behind a trusted
+    proxy, the server already took it from `X-Forwarded-For`)."""
+    return request.client.host if request.client else "unknown"
+
+
 @json_errors
 async def signup(request: Request) -> Response:
     """`POST /api/auth/signup {"email","password","name"?,"invite"?}` → 201 `{"user"}`
@@ -103,7 +109,11 @@ async def signup(request: Request) -> Response:
     accounts = _accounts(request)
     body = await _body(request)
     account, token = await accounts.sign_up(
-        body.get("email"), body.get("password"), body.get("name"), body.get("invite")
+        body.get("email"),
+        body.get("password"),
+        body.get("name"),
+        body.get("invite"),
+        address=_address(request),
     )
     response = JSONResponse({"user": account_json(account)}, status_code=201)
     return _with_session(request, response, token)
@@ -115,8 +125,9 @@ async def login(request: Request) -> Response:
     401 when wrong, 429 once throttled."""
     accounts = _accounts(request)
     body = await _body(request)
-    address = request.client.host if request.client else "unknown"
-    account, token = await accounts.sign_in(body.get("email"), body.get("password"), address)
+    account, token = await accounts.sign_in(
+        body.get("email"), body.get("password"), _address(request)
+    )
     return _with_session(request, JSONResponse({"user": account_json(account)}), token)
 
 
