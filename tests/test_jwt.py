@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from app.main import create_app
+from app.store import Account, open_store
 from tests.client import sse_chat
 from tests.identity import browser, question, sign_up
 from tests.servers import ServerThread, serve
@@ -218,6 +219,46 @@ async def test_keys_rotate_and_unknown_kids_do_not_hammer_the_issuer(jwt_server,
             assert await status(issuer.token(key=stray)) == 401
         assert issuer.jwks_hits - before <= 5
         issuer.published = [issuer.rsa, issuer.ec]
+
+
+async def test_another_issuers_admin_cannot_be_taken_over_with_its_sub(settings, issuer):
+    """Without `auth.jwt.issuer` the token's `iss` is not checked: its accounts are filed
+    under the keys that checked it, never under an `iss` it may make up."""
+    oidc_issuer, admin_sub = "https://idp.example", "the-admins-sub"
+    async with open_store(settings.store.url) as store:
+        await store.add_account(
+            Account(
+                "9001",
+                "OIDC admin",
+                role="admin",
+                issuer=oidc_issuer,
+                subject=admin_sub,
+                created_at=time.time(),
+            )
+        )
+    secret = "a shared secret of at least thirty-two bytes"
+    configured = settings.replace(
+        auth={
+            "mode": "accounts",
+            "jwt": {"secret": secret, "jwks_url": issuer.url + "/jwks", "audience": AUDIENCE},
+        }
+    )
+    now = int(time.time())
+    claims = {"iss": oidc_issuer, "sub": admin_sub, "aud": AUDIENCE, "exp": now + 600}
+    by_keys = issuer.token(iss=oidc_issuer, sub=admin_sub)
+    by_secret = jwt.encode(
+        {"alg": "HS256"}, claims, OctKey.import_key(secret), algorithms=["HS256"]
+    )
+    with serve(create_app(configured)) as server:
+        seen = set()
+        for token in (by_keys, by_secret):
+            headers = {"authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=headers) as http:
+                me = (await http.get("/api/auth/me")).json()["user"]
+                assert me["id"] != "9001" and me["role"] == "user"
+                assert (await http.get("/api/admin/users")).status_code == 403
+                seen.add(me["id"])
+        assert len(seen) == 2  # the secret's users and the key set's are not each other
 
 
 async def test_a_disabled_app_user_is_refused(jwt_server, issuer):

@@ -174,10 +174,12 @@ class Accounts:
         user_of(account, "session")
         return account, await self.start_session(account)
 
-    async def for_jwt(self, claims: dict[str, Any]) -> User:
-        """The user of a verified bearer JWT: its `sub`, an account made on first use
-        (named by its `email`, else `jwt:<sub>`)."""
-        issuer = str(claims.get("iss") or "jwt").rstrip("/")
+    async def for_jwt(self, claims: dict[str, Any], issuer: str) -> User:
+        """The user of a verified bearer JWT: its `sub` under `issuer` — the issuer the
+        token was checked against (`auth.jwt.issuer`), or a name of the keys that
+        checked it (`BearerJwt.verify` says which), never the token's own `iss` claim
+        unchecked. An account is made on first use (named by its `email`, else
+        `jwt:<sub>`)."""
         subject = str(claims["sub"])
         account = await self.store.account_by_subject(issuer, subject)
         if account is None:

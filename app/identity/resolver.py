@@ -100,7 +100,8 @@ class Identity:
         if self.accounts is not None and token.startswith(API_KEY_PREFIX):
             return await self.accounts.by_api_key(token)
         if self.accounts is not None and self.jwt is not None and looks_like_jwt(token):
-            return await self.accounts.for_jwt(await self.jwt.verify(token))
+            claims, issuer = await self.jwt.verify(token)
+            return await self.accounts.for_jwt(claims, issuer)
         raise Unauthorized("this API key or token is not valid")
 
     def own_origins(self, conn: HTTPConnection) -> set[str]:
