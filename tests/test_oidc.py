@@ -159,6 +159,31 @@ async def test_with_sign_up_closed_an_unknown_identity_is_not_let_in(oidc_server
         assert (await http.get("/api/auth/me")).status_code == 401
 
 
+@pytest.mark.parametrize("signup_rule", ["invite"])
+async def test_an_invite_code_lets_a_new_identity_in(oidc_server, signup_rule):
+    server, _ = oidc_server
+    async with browser(server.url) as admin:
+        await sign_up(admin, "admin@example.test")
+        code = (await admin.post("/api/admin/invites", json={})).json()["invite"]
+    async with browser(server.url) as http:
+        # without a code: refused, saying why
+        refused = await http.get(await at_provider(http, await begin(http)))
+        assert "by invitation" in unquote(refused.headers["location"])
+        # with one, carried through the provider in the signed flow cookie
+        started = await http.get("/api/auth/oidc/login", params={"next": "/", "invite": code})
+        assert flow_of(http.cookies["sc_oidc"])["invite"] == code
+        back = await http.get(await at_provider(http, started.headers["location"]))
+        assert back.status_code == 302 and back.headers["location"] == "/"
+        me = (await http.get("/api/auth/me")).json()["user"]
+        assert me["name"] == NAME and me["role"] == "user"
+    async with browser(server.url) as other:  # the code is spent
+        again = await other.post(
+            "/api/auth/signup",
+            json={"email": "b@example.test", "password": "a long passphrase", "invite": code},
+        )
+        assert again.status_code == 403
+
+
 async def test_an_app_token_cannot_act_as_the_providers_admin(settings):
     """An HS256 secret (no `auth.jwt.issuer`) vouches for its own users only: a token
     that names the provider as `iss` and the admin's `sub` is another, new user."""

@@ -159,18 +159,28 @@ class Accounts:
 
     # -- accounts identity providers vouch for ----------------------------------------------
 
-    async def for_oidc(self, claims: dict[str, Any]) -> tuple[Account, str]:
+    async def for_oidc(
+        self, claims: dict[str, Any], invite: str | None = None
+    ) -> tuple[Account, str]:
         """The account of a verified OIDC sign-in (made on first sign-in when sign-up
-        allows) and a new session's token."""
+        allows: `invite`, the code the sign-in was started with, is spent then) and a
+        new session's token."""
         issuer, subject = str(claims["iss"]).rstrip("/"), str(claims["sub"])
         account = await self.store.account_by_subject(issuer, subject)
         if account is None:
-            if self.settings.signup != "open" and await self.store.has_admin():
+            rule = self.settings.signup
+            if (
+                rule != "open"
+                and not (rule == "invite" and invite)
+                and await self.store.has_admin()
+            ):
                 raise Forbidden(
                     "there is no account for you on this server, and sign-up is "
-                    + ("by invitation" if self.settings.signup == "invite" else "closed")
+                    + ("by invitation: ask its admin for a code" if rule == "invite" else "closed")
                 )
-            account = await self._vouched(issuer, subject, claims, admin_if_none=True)
+            account = await self._vouched(
+                issuer, subject, claims, admin_if_none=True, invite=self._invite_hash(invite)
+            )
         user_of(account, "session")
         return account, await self.start_session(account)
 
@@ -187,7 +197,13 @@ class Accounts:
         return user_of(account, "jwt")
 
     async def _vouched(
-        self, issuer: str, subject: str, claims: dict[str, Any], *, admin_if_none: bool
+        self,
+        issuer: str,
+        subject: str,
+        claims: dict[str, Any],
+        *,
+        admin_if_none: bool,
+        invite: str | None = None,
     ) -> Account:
         email = claims.get("email") if isinstance(claims.get("email"), str) else None
         name = claims.get("name") if isinstance(claims.get("name"), str) else None
@@ -199,7 +215,7 @@ class Accounts:
             created_at=time.time(),
         )
         try:
-            return await self.store.add_account(account, admin_if_none=admin_if_none)
+            return await self.store.add_account(account, admin_if_none=admin_if_none, invite=invite)
         except Conflict:  # made at the same moment by another request
             found = await self.store.account_by_subject(issuer, subject)
             if found is None:

@@ -28,6 +28,8 @@ from ..store.base import iso
 from .http import current_user, error_response, json_errors, read_json
 
 CALLBACK = "/api/auth/oidc/callback"
+#: longer than any invite code the server makes
+MAX_INVITE = 200
 
 
 def _identity(request: Request) -> Identity:
@@ -185,12 +187,17 @@ def _next(value: str | None) -> str:
 
 
 async def oidc_login(request: Request) -> Response:
-    """`GET /api/auth/oidc/login?next=` → to the identity provider (a browser follows a
-    link here: a failure goes back to the sign-in page, saying why)."""
+    """`GET /api/auth/oidc/login?next=&invite=` → to the identity provider (a browser
+    follows a link here: a failure goes back to the sign-in page, saying why). An
+    `invite` code rides along in the signed flow cookie and is spent if the sign-in
+    makes an account (`auth.signup = "invite"`)."""
     try:
         _accounts(request)
+        invite = request.query_params.get("invite") or None
+        if invite is not None and len(invite) > MAX_INVITE:
+            raise BadRequest("this invite code is not valid")
         url, flow = await _oidc(request).begin(
-            _base(request) + CALLBACK, _next(request.query_params.get("next"))
+            _base(request) + CALLBACK, _next(request.query_params.get("next")), invite
         )
     except AppError as exc:
         return _refused(exc)
@@ -218,10 +225,10 @@ async def oidc_callback(request: Request) -> Response:
     else serves `/`."""
     try:
         oidc, accounts = _oidc(request), _accounts(request)
-        claims, next_path = await oidc.finish(
+        claims, next_path, invite = await oidc.finish(
             request.query_params, request.cookies.get(FLOW_COOKIE), _base(request) + CALLBACK
         )
-        _, token = await accounts.for_oidc(claims)
+        _, token = await accounts.for_oidc(claims, invite)
     except AppError as exc:
         response: Response = _refused(exc)
     else:
