@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from app.identity import keys
 from app.main import create_app
 from app.store import Account, open_store
 from tests.client import sse_chat
@@ -45,13 +46,20 @@ class Issuer:
         self.published = [self.rsa, self.ec]
         self.jwks_hits = 0
         self.url = ""
+        self.down = False  # answers 503 to everything
+        self.delay = 0.0  # seconds the JWKS takes
 
     def app(self) -> Starlette:
         async def discovery(request: Request) -> JSONResponse:
+            if self.down:
+                return JSONResponse({}, status_code=503)
             return JSONResponse({"issuer": self.url, "jwks_uri": self.url + "/jwks"})
 
         async def jwks(request: Request) -> JSONResponse:
             self.jwks_hits += 1
+            await asyncio.sleep(self.delay)
+            if self.down:
+                return JSONResponse({}, status_code=503)
             return JSONResponse({"keys": [k.as_dict(private=False) for k in self.published]})
 
         return Starlette(
@@ -81,6 +89,7 @@ def issuer() -> Iterator[Issuer]:
 @pytest.fixture
 def jwt_server(settings, issuer) -> Iterator[ServerThread]:
     issuer.published = [issuer.rsa, issuer.ec]
+    issuer.down, issuer.delay = False, 0.0
     configured = settings.replace(
         auth={"mode": "accounts", "jwt": {"issuer": issuer.url, "audience": AUDIENCE}}
     )
@@ -219,6 +228,52 @@ async def test_keys_rotate_and_unknown_kids_do_not_hammer_the_issuer(jwt_server,
             assert await status(issuer.token(key=stray)) == 401
         assert issuer.jwks_hits - before <= 5
         issuer.published = [issuer.rsa, issuer.ec]
+
+
+async def test_known_keys_outlive_an_unreachable_issuer(jwt_server, issuer, monkeypatch):
+    async with httpx.AsyncClient(base_url=jwt_server.url, timeout=30) as http:
+
+        async def status(token: str) -> int:
+            response = await http.get("/api/chats", headers={"authorization": f"Bearer {token}"})
+            return response.status_code
+
+        assert await status(issuer.token()) == 200
+        monkeypatch.setattr(keys, "MAX_AGE_SECONDS", 0.2)
+        await asyncio.sleep(0.3)
+        issuer.down = True
+        try:
+            hits = issuer.jwks_hits
+            # the keys are old and cannot be fetched again: the last known ones go on
+            assert await status(issuer.token()) == 200
+            assert await status(issuer.token(key=issuer.ec, alg="ES256")) == 200
+            assert issuer.jwks_hits - hits <= 1  # and the issuer is not asked on each token
+            # a kid not seen yet cannot be checked while the issuer is away: try again later
+            stray = RSAKey.generate_key(2048, parameters={"kid": "not-yet-seen"})
+            assert await status(issuer.token(key=stray)) == 503
+        finally:
+            issuer.down = False
+
+
+async def test_a_slow_key_fetch_holds_up_only_the_tokens_that_need_it(jwt_server, issuer):
+    async with httpx.AsyncClient(base_url=jwt_server.url, timeout=30) as http:
+
+        async def timed(token: str) -> tuple[int, float]:
+            started = time.monotonic()
+            response = await http.get("/api/chats", headers={"authorization": f"Bearer {token}"})
+            return response.status_code, time.monotonic() - started
+
+        assert (await timed(issuer.token()))[0] == 200
+        issuer.delay = 3.0
+        try:
+            stray = RSAKey.generate_key(2048, parameters={"kid": "made-up"})
+            unknown = asyncio.ensure_future(timed(issuer.token(key=stray)))
+            await asyncio.sleep(0.3)  # its fetch of the keys is under way
+            status, took = await timed(issuer.token())
+            assert status == 200 and took < 1.5  # the cached key answers, without waiting
+            status, took = await unknown
+            assert status == 401 and took >= 2.5
+        finally:
+            issuer.delay = 0.0
 
 
 async def test_another_issuers_admin_cannot_be_taken_over_with_its_sub(settings, issuer):
