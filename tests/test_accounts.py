@@ -314,6 +314,13 @@ async def test_a_cross_site_write_with_the_cookie_is_refused(server, fake_model)
             "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}, headers=evil
         )
         assert login.status_code == 403
+    # and sign-in without an Origin (no cookie at all) is told what to send
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as script:
+        bare = await script.post(
+            "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}
+        )
+        assert bare.status_code == 403 and "Origin header" in bare.json()["data"]
+    async with httpx.AsyncClient(base_url=server.url, timeout=10, cookies=cookie) as raw:
         # a WebSocket opened by another site's page with the cookie
         async with aconnect_ws(server.ws_url + "/api/chat/ws", raw, headers=evil) as ws:
             frame = orjson.loads(await ws.receive_text())
