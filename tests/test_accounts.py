@@ -538,6 +538,7 @@ async def test_a_daily_quota_stops_questions_before_the_model_on_every_transport
                     await ws.send_text(orjson.dumps(question("over ws", chatId="qw")).decode())
                     frame = orjson.loads(await ws.receive_text())
                     assert (frame["key"], frame["chatId"]) == ("RATE_LIMITED", "qw")
+                    assert abs(frame["retryAfter"] - until_midnight) <= 5
             assert (
                 await user.post("/api/suggestions", json={"history": [["human", "q"]]})
             ).status_code == 429
