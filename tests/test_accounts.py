@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from httpx_ws import WebSocketDisconnect, aconnect_ws
 from app.errors import RateLimited
 from app.identity.throttle import PER_ACCOUNT, PER_ADDRESS, SignInThrottle
 from app.main import create_app
+from app.store import open_store
 from tests.client import iter_sse, sse_chat
 from tests.identity import PASSWORD, browser, question, sign_in, sign_up
 from tests.servers import ROOT, serve
@@ -595,6 +597,49 @@ async def test_deleting_a_chat_or_regenerating_gives_no_quota_back(settings, fak
             assert len(history) == 2  # the long answer is gone ...
             refused = await user.post("/api/chat/sse", json=question("more"))
             assert refused.status_code == 429  # ... and still counted
+
+
+def create_admin(settings, tmp_path, email, password="an admin's long passphrase"):
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    env = {**os.environ, "APP_CONFIG": str(config), "STORE_URL": settings.store.url}
+    return subprocess.run(
+        [sys.executable, "-m", "app.identity", "create-admin", email],
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+async def test_the_first_admin_is_made_from_the_command_line(settings, tmp_path):
+    """Made before the server is reachable, nobody else can be the first sign-up."""
+    short = await asyncio.to_thread(create_admin, settings, tmp_path, "ops@example.test", "short")
+    assert short.returncode != 0 and "10" in short.stderr
+    made = await asyncio.to_thread(create_admin, settings, tmp_path, "Ops@Example.test")
+    assert made.returncode == 0, made.stderr
+    assert "ops@example.test" in made.stdout
+    invite_only = settings.replace(auth={"mode": "accounts", "signup": "invite"})
+    with serve(create_app(invite_only)) as server:
+        async with browser(server.url) as stranger, browser(server.url) as ops:
+            # an admin exists: the first to come along is not let in without an invite
+            refused = await stranger.post(
+                "/api/auth/signup", json={"email": "eve@example.test", "password": PASSWORD}
+            )
+            assert refused.status_code == 403
+            admin = await sign_in(ops, "ops@example.test", "an admin's long passphrase")
+            assert admin["role"] == "admin"
+            code = (await ops.post("/api/admin/invites", json={})).json()["invite"]
+            bob = await sign_up(stranger, "bob@example.test", invite=code)
+            assert bob["role"] == "user"
+    # an account that exists is made an admin (its password left alone)
+    promoted = await asyncio.to_thread(create_admin, settings, tmp_path, "bob@example.test", "")
+    assert promoted.returncode == 0, promoted.stderr
+    async with open_store(settings.store.url) as store:
+        account = await store.account_by_email("bob@example.test")
+        assert account is not None and account.role == "admin" and account.password_hash
 
 
 async def test_static_keys_work_beside_accounts(settings, fake_model):

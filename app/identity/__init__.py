@@ -11,6 +11,7 @@ oidc.py       sign-in with an OpenID Connect provider (authlib, PKCE, state, non
 keys.py       discovery documents and JWKS, cached, fetched again on rotation
 quota.py      daily token quotas
 tokens.py     the secrets the server hands out, and their hashes
+__main__.py   `python -m app.identity create-admin EMAIL`: the first admin, made offline
 """
 
 from __future__ import annotations

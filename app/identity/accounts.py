@@ -8,9 +8,10 @@ account holds on the next request of every process. Who may make an account
 (`auth.signup`): `open`, anyone; `invite`, whoever has an admin's invite code;
 `closed`, nobody through the server. Until an admin exists the first password or
 OIDC sign-up is allowed whatever the rule says, and it becomes the admin (someone has
-to be able to make invites). Accounts of bearer JWTs are made on first use whatever
-the rule (the operator trusts their issuer by configuring it), and are never made
-admin by it.
+to be able to make invites) — which is why an operator makes the admin before the
+server is reachable (`python -m app.identity create-admin`). Accounts of bearer JWTs
+are made on first use whatever the rule (the operator trusts their issuer by
+configuring it), and are never made admin by it.
 """
 
 from __future__ import annotations
