@@ -344,7 +344,8 @@ async def open_identity(
     if not await service.store.has_admin():
         log.warning(
             "accounts are on and no admin exists yet: the first account signed up becomes"
-            " the admin, whatever auth.signup says"
+            " the admin, whatever auth.signup says (make it now, or make it before anyone"
+            " can reach the server: python -m app.identity create-admin EMAIL)"
         )
     return Identity(settings, accounts=accounts, jwt=jwt, oidc=oidc)
 

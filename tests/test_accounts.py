@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -13,9 +14,13 @@ import time
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from httpx_ws import WebSocketDisconnect, aconnect_ws
 
+from app.errors import RateLimited
+from app.identity.throttle import PER_ACCOUNT, PER_ADDRESS, SignInThrottle
 from app.main import create_app
+from app.store import open_store
 from tests.client import iter_sse, sse_chat
 from tests.identity import PASSWORD, browser, question, sign_in, sign_up
 from tests.servers import ROOT, serve
@@ -159,6 +164,115 @@ async def test_wrong_passwords_are_throttled_per_account_and_per_address(server)
         assert refused.status_code == 429
 
 
+async def test_wrong_passwords_sent_at_once_are_each_counted_before_any_is_checked(server):
+    """Twenty guesses in parallel: each is counted before its password is checked, so
+    no more than the account's limit get an answer from the password check."""
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=120, headers={"origin": server.url}
+    ) as http:
+        await sign_up(http, "a@example.test")
+        guesses = await asyncio.gather(
+            *(
+                http.post(
+                    "/api/auth/login", json={"email": "a@example.test", "password": f"guess {n}"}
+                )
+                for n in range(20)
+            )
+        )
+        statuses = sorted(r.status_code for r in guesses)
+        assert statuses.count(401) <= 5 and statuses.count(401) + statuses.count(429) == 20
+        assert (
+            await http.post(
+                "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}
+            )
+        ).status_code == 429
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["memory", "redis"])
+async def test_the_throttle_counts_each_attempt_in_one_step(shared, request):
+    redis = aioredis.Redis.from_url(request.getfixturevalue("redis_url")) if shared else None
+    throttle = SignInThrottle(redis)
+    try:
+        results = await asyncio.gather(
+            *(throttle.attempt("a@example.test", "10.0.0.1") for _ in range(20)),
+            return_exceptions=True,
+        )
+        assert results.count(None) == PER_ACCOUNT
+        assert all(isinstance(r, RateLimited) for r in results if r is not None)
+        with pytest.raises(RateLimited, match="account"):
+            await throttle.attempt("a@example.test", "10.0.0.1")
+        # the address counts the 5 that were checked; b fails 4 times, then gets it right:
+        # its count is cleared, the address's holds its failures
+        for _ in range(PER_ACCOUNT - 1):
+            await throttle.attempt("b@example.test", "10.0.0.1")
+        await throttle.attempt("b@example.test", "10.0.0.1")
+        await throttle.succeeded("b@example.test", "10.0.0.1")
+        for _ in range(PER_ACCOUNT):
+            await throttle.attempt("b@example.test", "10.0.0.1")
+        for n in range(PER_ADDRESS - 3 * PER_ACCOUNT + 1):
+            await throttle.attempt(f"u{n}@example.test", "10.0.0.1")
+        with pytest.raises(RateLimited, match="address"):
+            await throttle.attempt("new@example.test", "10.0.0.1")
+    finally:
+        if redis is not None:
+            await redis.aclose()
+
+
+async def test_sign_up_is_throttled_per_address_and_refused_before_any_hashing(settings):
+    invite_only = settings.replace(auth={"mode": "accounts", "signup": "invite"})
+    with serve(create_app(invite_only)) as server:
+        passwords = server.app.state.identity.accounts.passwords
+        async with browser(server.url) as http:
+            await sign_up(http, "admin@example.test")
+            hashed = passwords.hashed
+            for body in (
+                {"invite": "inv_made-up"},
+                {},
+                {"invite": "inv_made-up", "email": "admin@example.test"},
+            ):
+                refused = await http.post(
+                    "/api/auth/signup",
+                    json={"email": "b@example.test", "password": PASSWORD, **body},
+                )
+                assert refused.status_code in (403, 409), refused.text
+            assert passwords.hashed == hashed  # no password was hashed for any of them
+            statuses = []
+            for n in range(20):
+                response = await http.post(
+                    "/api/auth/signup", json={"email": f"u{n}@example.test", "password": PASSWORD}
+                )
+                statuses.append(response.status_code)
+            # 20 sign-ups from one address in a window, the admin's first among them
+            assert statuses[:16] == [403] * 16 and statuses[16:] == [429] * 4
+            assert 1 <= int(response.headers["retry-after"]) <= 15 * 60
+            assert passwords.hashed == hashed
+        elsewhere = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with browser(server.url, transport=elsewhere) as neighbour:
+            other = await neighbour.post(
+                "/api/auth/signup", json={"email": "c@example.test", "password": PASSWORD}
+            )
+            assert other.status_code == 403  # its own count: refused by the rule, not throttled
+
+
+async def test_a_sign_up_flood_is_refused_at_once_while_passwords_queue(settings):
+    with serve(create_app(settings.replace(auth={"mode": "accounts"}))) as server:
+        server.app.state.identity.accounts.passwords.max_waiting = 1
+        async with browser(server.url) as http:
+            answers = await asyncio.gather(
+                *(
+                    http.post(
+                        "/api/auth/signup",
+                        json={"email": f"u{n}@example.test", "password": PASSWORD},
+                    )
+                    for n in range(8)
+                )
+            )
+        statuses = sorted(r.status_code for r in answers)
+        assert statuses.count(201) >= 3 and 503 in statuses
+        busy = next(r for r in answers if r.status_code == 503)
+        assert busy.headers["retry-after"] and "busy" in busy.json()["data"]
+
+
 async def test_sign_out_ends_the_session_and_a_cookie_of_nobody_is_refused(server, fake_model):
     async with browser(server.url) as http:
         await sign_up(http, "a@example.test")
@@ -202,6 +316,13 @@ async def test_a_cross_site_write_with_the_cookie_is_refused(server, fake_model)
             "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}, headers=evil
         )
         assert login.status_code == 403
+    # and sign-in without an Origin (no cookie at all) is told what to send
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as script:
+        bare = await script.post(
+            "/api/auth/login", json={"email": "a@example.test", "password": PASSWORD}
+        )
+        assert bare.status_code == 403 and "Origin header" in bare.json()["data"]
+    async with httpx.AsyncClient(base_url=server.url, timeout=10, cookies=cookie) as raw:
         # a WebSocket opened by another site's page with the cookie
         async with aconnect_ws(server.ws_url + "/api/chat/ws", raw, headers=evil) as ws:
             frame = orjson.loads(await ws.receive_text())
@@ -419,6 +540,7 @@ async def test_a_daily_quota_stops_questions_before_the_model_on_every_transport
                     await ws.send_text(orjson.dumps(question("over ws", chatId="qw")).decode())
                     frame = orjson.loads(await ws.receive_text())
                     assert (frame["key"], frame["chatId"]) == ("RATE_LIMITED", "qw")
+                    assert abs(frame["retryAfter"] - until_midnight) <= 5
             assert (
                 await user.post("/api/suggestions", json={"history": [["human", "q"]]})
             ).status_code == 429
@@ -433,6 +555,91 @@ async def test_a_daily_quota_stops_questions_before_the_model_on_every_transport
             assert (await user.post("/api/chat/sse", json=question("no"))).status_code == 429
             # another user has a quota of their own
             await sse_chat(admin, question("the admin's first"))
+
+
+async def test_deleting_a_chat_or_regenerating_gives_no_quota_back(settings, fake_model):
+    limited = settings.replace(auth={"mode": "accounts"}, limits={"tokens_per_day": 1})
+    with serve(create_app(limited)) as server:
+        async with browser(server.url) as admin, browser(server.url) as user:
+            await sign_up(admin, "admin@example.test")
+            target = await sign_up(user, "user@example.test")
+
+            async def used() -> int:
+                listed = (await admin.get("/api/admin/users")).json()["users"]
+                return {u["id"]: u["tokensToday"] for u in listed}[target["id"]]
+
+            async def quota(tokens: int | None) -> None:
+                changed = await admin.patch(
+                    f"/api/admin/users/{target['id']}", json={"tokensPerDay": tokens}
+                )
+                assert changed.status_code == 200
+
+            events = await sse_chat(user, question("first #tokens=40", chatId="c1"))
+            assert events[-1].data["status"] == "completed"
+            spent = await used()
+            assert spent > 0
+            assert (await user.post("/api/chat/sse", json=question("more"))).status_code == 429
+            # the chat with the answer is deleted: what it used stays used
+            assert (await user.delete("/api/chats/c1")).status_code == 200
+            assert (await user.get("/api/usage")).json()["total"]["answers"] == 0
+            assert await used() == spent
+            again = await user.post("/api/chat/sse", json=question("and now?"))
+            assert again.status_code == 429 and "daily token quota" in again.json()["data"]
+
+            # room for one more question: regenerating a long answer as a short one
+            await quota(spent + 1)
+            events = await sse_chat(user, question("long #tokens=40", chatId="c2", messageId="q2"))
+            assert events[-1].data["status"] == "completed"
+            await quota(await used() + 1)
+            events = await sse_chat(user, question("short #tokens=1", chatId="c2", messageId="q2"))
+            assert events[-1].data["status"] == "completed"  # the regenerated answer
+            history = (await user.get("/api/chats/c2")).json()["messages"]
+            assert len(history) == 2  # the long answer is gone ...
+            refused = await user.post("/api/chat/sse", json=question("more"))
+            assert refused.status_code == 429  # ... and still counted
+
+
+def create_admin(settings, tmp_path, email, password="an admin's long passphrase"):
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    env = {**os.environ, "APP_CONFIG": str(config), "STORE_URL": settings.store.url}
+    return subprocess.run(
+        [sys.executable, "-m", "app.identity", "create-admin", email],
+        input=password + "\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+async def test_the_first_admin_is_made_from_the_command_line(settings, tmp_path):
+    """Made before the server is reachable, nobody else can be the first sign-up."""
+    short = await asyncio.to_thread(create_admin, settings, tmp_path, "ops@example.test", "short")
+    assert short.returncode != 0 and "10" in short.stderr
+    made = await asyncio.to_thread(create_admin, settings, tmp_path, "Ops@Example.test")
+    assert made.returncode == 0, made.stderr
+    assert "ops@example.test" in made.stdout
+    invite_only = settings.replace(auth={"mode": "accounts", "signup": "invite"})
+    with serve(create_app(invite_only)) as server:
+        async with browser(server.url) as stranger, browser(server.url) as ops:
+            # an admin exists: the first to come along is not let in without an invite
+            refused = await stranger.post(
+                "/api/auth/signup", json={"email": "eve@example.test", "password": PASSWORD}
+            )
+            assert refused.status_code == 403
+            admin = await sign_in(ops, "ops@example.test", "an admin's long passphrase")
+            assert admin["role"] == "admin"
+            code = (await ops.post("/api/admin/invites", json={})).json()["invite"]
+            bob = await sign_up(stranger, "bob@example.test", invite=code)
+            assert bob["role"] == "user"
+    # an account that exists is made an admin (its password left alone)
+    promoted = await asyncio.to_thread(create_admin, settings, tmp_path, "bob@example.test", "")
+    assert promoted.returncode == 0, promoted.stderr
+    async with open_store(settings.store.url) as store:
+        account = await store.account_by_email("bob@example.test")
+        assert account is not None and account.role == "admin" and account.password_hash
 
 
 async def test_static_keys_work_beside_accounts(settings, fake_model):

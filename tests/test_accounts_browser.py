@@ -195,3 +195,20 @@ def test_sign_up_by_invitation_on_the_page(new_page, settings, fake_model):
         guest.click("#signin-submit")
         guest.wait_for_selector("#account:not([hidden])")
         ask(guest, "hello")
+        # the admin's invite link opens the sign-up with its code filled in
+        admin.click("#admin-invite")
+        admin.wait_for_function(
+            f"() => document.querySelector('#admin-invite-code').innerText !== {code!r}"
+        )
+        second = admin.locator("#admin-invite-code").inner_text()
+        link = admin.locator("#admin-invite-link").get_attribute("href")
+        assert link == f"{server.url}/signin?invite={second}"
+        invited = new_page(server.url)
+        invited.goto(link)
+        invited.wait_for_selector("#signin:not([hidden])")
+        assert invited.locator("#signin-invite").input_value() == second
+        assert invited.locator("#signin-name-row").is_visible()
+        invited.fill("#signin-email", "invited@example.test")
+        invited.fill("#signin-password", "correct horse battery")
+        invited.click("#signin-submit")
+        invited.wait_for_selector("#account:not([hidden])")

@@ -25,7 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from app.identity import keys
 from app.main import create_app
+from app.store import Account, open_store
 from tests.client import sse_chat
 from tests.identity import browser, question, sign_up
 from tests.servers import ServerThread, serve
@@ -44,13 +46,20 @@ class Issuer:
         self.published = [self.rsa, self.ec]
         self.jwks_hits = 0
         self.url = ""
+        self.down = False  # answers 503 to everything
+        self.delay = 0.0  # seconds the JWKS takes
 
     def app(self) -> Starlette:
         async def discovery(request: Request) -> JSONResponse:
+            if self.down:
+                return JSONResponse({}, status_code=503)
             return JSONResponse({"issuer": self.url, "jwks_uri": self.url + "/jwks"})
 
         async def jwks(request: Request) -> JSONResponse:
             self.jwks_hits += 1
+            await asyncio.sleep(self.delay)
+            if self.down:
+                return JSONResponse({}, status_code=503)
             return JSONResponse({"keys": [k.as_dict(private=False) for k in self.published]})
 
         return Starlette(
@@ -80,6 +89,7 @@ def issuer() -> Iterator[Issuer]:
 @pytest.fixture
 def jwt_server(settings, issuer) -> Iterator[ServerThread]:
     issuer.published = [issuer.rsa, issuer.ec]
+    issuer.down, issuer.delay = False, 0.0
     configured = settings.replace(
         auth={"mode": "accounts", "jwt": {"issuer": issuer.url, "audience": AUDIENCE}}
     )
@@ -218,6 +228,92 @@ async def test_keys_rotate_and_unknown_kids_do_not_hammer_the_issuer(jwt_server,
             assert await status(issuer.token(key=stray)) == 401
         assert issuer.jwks_hits - before <= 5
         issuer.published = [issuer.rsa, issuer.ec]
+
+
+async def test_known_keys_outlive_an_unreachable_issuer(jwt_server, issuer, monkeypatch):
+    async with httpx.AsyncClient(base_url=jwt_server.url, timeout=30) as http:
+
+        async def status(token: str) -> int:
+            response = await http.get("/api/chats", headers={"authorization": f"Bearer {token}"})
+            return response.status_code
+
+        assert await status(issuer.token()) == 200
+        monkeypatch.setattr(keys, "MAX_AGE_SECONDS", 0.2)
+        await asyncio.sleep(0.3)
+        issuer.down = True
+        try:
+            hits = issuer.jwks_hits
+            # the keys are old and cannot be fetched again: the last known ones go on
+            assert await status(issuer.token()) == 200
+            assert await status(issuer.token(key=issuer.ec, alg="ES256")) == 200
+            assert issuer.jwks_hits - hits <= 1  # and the issuer is not asked on each token
+            # a kid not seen yet cannot be checked while the issuer is away: try again later
+            stray = RSAKey.generate_key(2048, parameters={"kid": "not-yet-seen"})
+            assert await status(issuer.token(key=stray)) == 503
+        finally:
+            issuer.down = False
+
+
+async def test_a_slow_key_fetch_holds_up_only_the_tokens_that_need_it(jwt_server, issuer):
+    async with httpx.AsyncClient(base_url=jwt_server.url, timeout=30) as http:
+
+        async def timed(token: str) -> tuple[int, float]:
+            started = time.monotonic()
+            response = await http.get("/api/chats", headers={"authorization": f"Bearer {token}"})
+            return response.status_code, time.monotonic() - started
+
+        assert (await timed(issuer.token()))[0] == 200
+        issuer.delay = 3.0
+        try:
+            stray = RSAKey.generate_key(2048, parameters={"kid": "made-up"})
+            unknown = asyncio.ensure_future(timed(issuer.token(key=stray)))
+            await asyncio.sleep(0.3)  # its fetch of the keys is under way
+            status, took = await timed(issuer.token())
+            assert status == 200 and took < 1.5  # the cached key answers, without waiting
+            status, took = await unknown
+            assert status == 401 and took >= 2.5
+        finally:
+            issuer.delay = 0.0
+
+
+async def test_another_issuers_admin_cannot_be_taken_over_with_its_sub(settings, issuer):
+    """Without `auth.jwt.issuer` the token's `iss` is not checked: its accounts are filed
+    under the keys that checked it, never under an `iss` it may make up."""
+    oidc_issuer, admin_sub = "https://idp.example", "the-admins-sub"
+    async with open_store(settings.store.url) as store:
+        await store.add_account(
+            Account(
+                "9001",
+                "OIDC admin",
+                role="admin",
+                issuer=oidc_issuer,
+                subject=admin_sub,
+                created_at=time.time(),
+            )
+        )
+    secret = "a shared secret of at least thirty-two bytes"
+    configured = settings.replace(
+        auth={
+            "mode": "accounts",
+            "jwt": {"secret": secret, "jwks_url": issuer.url + "/jwks", "audience": AUDIENCE},
+        }
+    )
+    now = int(time.time())
+    claims = {"iss": oidc_issuer, "sub": admin_sub, "aud": AUDIENCE, "exp": now + 600}
+    by_keys = issuer.token(iss=oidc_issuer, sub=admin_sub)
+    by_secret = jwt.encode(
+        {"alg": "HS256"}, claims, OctKey.import_key(secret), algorithms=["HS256"]
+    )
+    with serve(create_app(configured)) as server:
+        seen = set()
+        for token in (by_keys, by_secret):
+            headers = {"authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=headers) as http:
+                me = (await http.get("/api/auth/me")).json()["user"]
+                assert me["id"] != "9001" and me["role"] == "user"
+                assert (await http.get("/api/admin/users")).status_code == 403
+                seen.add(me["id"])
+        assert len(seen) == 2  # the secret's users and the key set's are not each other
 
 
 async def test_a_disabled_app_user_is_refused(jwt_server, issuer):

@@ -7,16 +7,27 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import time
 from collections.abc import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import httpx
 import orjson
 import pytest
+from joserfc import jwt
+from joserfc.jwk import OctKey
 
 from tests.client import sse_chat
 from tests.identity import browser, question, sign_up
-from tests.oidc_provider import CLIENT_ID, LOGIN, NAME, PASSWORD, OidcProvider, server_with_oidc
+from tests.oidc_provider import (
+    CLIENT_ID,
+    LOGIN,
+    NAME,
+    PASSWORD,
+    SUB,
+    OidcProvider,
+    server_with_oidc,
+)
 from tests.servers import ServerThread
 
 pytestmark = pytest.mark.anyio
@@ -146,3 +157,49 @@ async def test_with_sign_up_closed_an_unknown_identity_is_not_let_in(oidc_server
         refused = await http.get(callback)
         assert "sign-up is closed" in unquote(refused.headers["location"])
         assert (await http.get("/api/auth/me")).status_code == 401
+
+
+@pytest.mark.parametrize("signup_rule", ["invite"])
+async def test_an_invite_code_lets_a_new_identity_in(oidc_server, signup_rule):
+    server, _ = oidc_server
+    async with browser(server.url) as admin:
+        await sign_up(admin, "admin@example.test")
+        code = (await admin.post("/api/admin/invites", json={})).json()["invite"]
+    async with browser(server.url) as http:
+        # without a code: refused, saying why
+        refused = await http.get(await at_provider(http, await begin(http)))
+        assert "by invitation" in unquote(refused.headers["location"])
+        # with one, carried through the provider in the signed flow cookie
+        started = await http.get("/api/auth/oidc/login", params={"next": "/", "invite": code})
+        assert flow_of(http.cookies["sc_oidc"])["invite"] == code
+        back = await http.get(await at_provider(http, started.headers["location"]))
+        assert back.status_code == 302 and back.headers["location"] == "/"
+        me = (await http.get("/api/auth/me")).json()["user"]
+        assert me["name"] == NAME and me["role"] == "user"
+    async with browser(server.url) as other:  # the code is spent
+        again = await other.post(
+            "/api/auth/signup",
+            json={"email": "b@example.test", "password": "a long passphrase", "invite": code},
+        )
+        assert again.status_code == 403
+
+
+async def test_an_app_token_cannot_act_as_the_providers_admin(settings):
+    """An HS256 secret (no `auth.jwt.issuer`) vouches for its own users only: a token
+    that names the provider as `iss` and the admin's `sub` is another, new user."""
+    secret = "an app's shared secret of thirty-two bytes"
+    with server_with_oidc(settings, jwt={"secret": secret}) as (server, provider):
+        async with browser(server.url) as http:
+            await http.get(await at_provider(http, await begin(http)))
+            admin = (await http.get("/api/auth/me")).json()["user"]
+            assert admin["role"] == "admin"  # the first account, made through the provider
+        now = int(time.time())
+        claims = {"iss": provider.issuer, "sub": SUB, "exp": now + 600}
+        token = jwt.encode(
+            {"alg": "HS256"}, claims, OctKey.import_key(secret), algorithms=["HS256"]
+        )
+        headers = {"authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=headers) as app:
+            me = (await app.get("/api/auth/me")).json()["user"]
+            assert me["id"] != admin["id"] and me["role"] == "user"
+            assert (await app.get("/api/admin/users")).status_code == 403

@@ -257,6 +257,56 @@ async def _first_schema_postgres(url):
         await conn.close()
 
 
+#: an answer of the schema before the daily token tally (migration 9): 40 tokens on day 20000
+USED_BEFORE_THE_TALLY = [
+    "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
+    " VALUES ('c1', 'u7', 't', 'webSearch', 1728000100.0)",
+    "INSERT INTO messages (id, chat_id, role, content, status, created_at, model,"
+    " prompt_tokens, completion_tokens) VALUES ('a1', 'c1', 'assistant', 'x', 'completed',"
+    " 1728000100.5, 'm', 30, 10)",
+]
+
+
+async def test_the_daily_token_tally_starts_from_the_answers_saved_before_it(store_url):
+    """Upgrading does not hand back what was used today: the tally is filled from the
+    answers already saved."""
+    tally = len(SQLITE_MIGRATIONS) - 1
+    assert "tokens_by_day" in SQLITE_MIGRATIONS[tally] and "tokens_by_day" in PG_MIGRATIONS[tally]
+    if store_url.startswith("sqlite"):
+        db = sqlite3.connect(store_url.removeprefix("sqlite:///"))
+        for script in SQLITE_MIGRATIONS[:tally]:
+            db.executescript(script)
+        db.execute(f"PRAGMA user_version={tally}")
+        for sql in USED_BEFORE_THE_TALLY:
+            db.execute(sql)
+        db.commit()
+        db.close()
+    else:
+        asyncio_run_in_thread(_postgres_before_the_tally(store_url, tally))
+    async with open_store(store_url) as upgraded:
+        assert await upgraded.tokens_on(20_000, "u7") == 40
+        assert await upgraded.tokens_by_user(20_000) == {"u7": 40}
+
+
+async def _postgres_before_the_tally(url, tally):
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        for script in PG_MIGRATIONS[:tally]:
+            await conn.execute(script)
+        await conn.execute(
+            "CREATE TABLE schema_migrations ("
+            " version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+        for version in range(1, tally + 1):
+            await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+        for sql in USED_BEFORE_THE_TALLY:
+            await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
 async def test_an_unreachable_store_is_unavailable_not_a_driver_error(tmp_path):
     store = open_store(f"sqlite:///{tmp_path}/x.db")
     with pytest.raises(Unavailable, match="store is unavailable"):

@@ -122,19 +122,55 @@ async def test_api_keys_are_listed_without_their_hash_and_revoked_by_their_owner
     assert [k.id for k in await store.list_api_keys("u1")] == ["k1"]
 
 
-async def test_usage_by_user_sums_tokens_since(store):
+async def _answered(store, user, chat_id, at, tokens, *, question="q"):
+    await store.begin_answer(
+        Chat(chat_id, user, "t", "deepSeek", at),
+        StoredMessage(f"{question}{chat_id}", chat_id, "user", "q", at),
+        StoredMessage(f"a{chat_id}", chat_id, "assistant", "", at + 0.001, status="streaming"),
+    )
+    await store.finish_answer(
+        f"a{chat_id}", Saved("x", "", "completed", usage=Usage("m", tokens, tokens))
+    )
+
+
+async def test_tokens_are_counted_per_user_and_day_of_the_answer(store):
+    day = 20_000
     for user, chat_id, at, tokens in (
-        ("u1", "c1", 100.0, 10),
-        ("u1", "c2", 200.0, 5),
-        ("u2", "c3", 200.0, 7),
+        ("u1", "c1", day * 86400.0 - 10, 10),  # the day before
+        ("u1", "c2", day * 86400.0 + 5, 5),
+        ("u2", "c3", day * 86400.0 + 7, 7),
     ):
-        await store.begin_answer(
-            Chat(chat_id, user, "t", "deepSeek", at),
-            StoredMessage(f"q{chat_id}", chat_id, "user", "q", at),
-            StoredMessage(f"a{chat_id}", chat_id, "assistant", "", at + 0.001, status="streaming"),
-        )
-        await store.finish_answer(
-            f"a{chat_id}", Saved("x", "", "completed", usage=Usage("m", tokens, tokens))
-        )
-    assert await store.usage_by_user(0.0) == {"u1": 30, "u2": 14}
-    assert await store.usage_by_user(150.0) == {"u1": 10, "u2": 14}
+        await _answered(store, user, chat_id, at, tokens)
+    assert await store.tokens_by_user(day) == {"u1": 10, "u2": 14}
+    assert await store.tokens_by_user(day - 1) == {"u1": 20}
+    assert await store.tokens_on(day, "u1") == 10
+    assert await store.tokens_on(day, "nobody") == 0
+    # the tally does not go down with what it counted: deleting the chat leaves it
+    assert await store.delete_chat("c2")
+    assert await store.tokens_on(day, "u1") == 10
+    assert await store.tokens_by_user(day) == {"u1": 10, "u2": 14}
+
+
+async def test_an_answer_saved_twice_is_counted_once_and_a_regenerated_one_stays_counted(store):
+    at = time.time()
+    day = int(at // 86400)
+    await _answered(store, "u1", "c1", at, 50)
+    again = Saved("x", "", "completed", usage=Usage("m", 50, 50))
+    assert await store.finish_answer("ac1", again)  # the keeper's retry after a lost reply
+    assert await store.tokens_on(day, "u1") == 100
+    grown = Saved("x", "", "completed", usage=Usage("m", 60, 50))
+    await store.finish_answer("ac1", grown)  # only what it grew by
+    assert await store.tokens_on(day, "u1") == 110
+    # regenerating deletes the answer: its tokens stay spent, the new answer adds its own
+    question = await store.get_message("qc1")
+    chat = await store.get_chat("c1")
+    await store.begin_answer(
+        chat,
+        question,
+        StoredMessage("ac1b", "c1", "assistant", "", at + 1, status="streaming"),
+        regenerate=True,
+    )
+    assert await store.get_message("ac1") is None
+    assert await store.tokens_on(day, "u1") == 110
+    await store.finish_answer("ac1b", Saved("y", "", "completed", usage=Usage("m", 5, 5)))
+    assert await store.tokens_on(day, "u1") == 120

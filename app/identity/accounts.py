@@ -8,9 +8,10 @@ account holds on the next request of every process. Who may make an account
 (`auth.signup`): `open`, anyone; `invite`, whoever has an admin's invite code;
 `closed`, nobody through the server. Until an admin exists the first password or
 OIDC sign-up is allowed whatever the rule says, and it becomes the admin (someone has
-to be able to make invites). Accounts of bearer JWTs are made on first use whatever
-the rule (the operator trusts their issuer by configuring it), and are never made
-admin by it.
+to be able to make invites) — which is why an operator makes the admin before the
+server is reachable (`python -m app.identity create-admin`). Accounts of bearer JWTs
+are made on first use whatever the rule (the operator trusts their issuer by
+configuring it), and are never made admin by it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..config import AuthSettings
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from ..ids import Snowflake
 from ..store import Account, AccountChange, ApiKey, Store
+from ..store.base import bad_invite
 from .passwords import MAX_LENGTH, MIN_LENGTH, Passwords
 from .throttle import SignInThrottle
 from .tokens import API_KEY_PREFIX, new_token, token_hash
@@ -84,33 +86,54 @@ class Accounts:
     # -- password accounts ----------------------------------------------------------------
 
     async def sign_up(
-        self, email: Any, password: Any, name: Any = None, invite: Any = None
+        self,
+        email: Any,
+        password: Any,
+        name: Any = None,
+        invite: Any = None,
+        address: str = "unknown",
     ) -> tuple[Account, str]:
-        """A new password account and its first session's token. `BadRequest` for a bad
-        email or a weak password, `Conflict` (409) for a taken email, `Forbidden` when
-        the sign-up rule refuses (see the module docstring)."""
-        address = normal_email(email)
+        """A new password account and its first session's token. `RateLimited` past the
+        sign-ups allowed from the client's `address`, `BadRequest` for a bad email or a
+        weak password, `Conflict` (409) for a taken email, `Forbidden` when the sign-up
+        rule refuses (see the module docstring), `Unavailable` (503) when too many
+        passwords wait to be hashed. Everything that can refuse is asked before the
+        password is hashed, the one costly step."""
+        await self.throttle.sign_up(address)
+        who = normal_email(email)
         if not isinstance(password, str) or not MIN_LENGTH <= len(password) <= MAX_LENGTH:
             raise BadRequest(f"the password must be {MIN_LENGTH} to {MAX_LENGTH} characters long")
         await self._may_sign_up(invite)
+        if await self.store.account_by_email(who) is not None:
+            raise Conflict("an account with this email exists already")
         account = Account(
             id=self.ids.next_str(),
-            name=text_field(name, "name", address.split("@")[0]),
-            email=address,
+            name=text_field(name, "name", who.split("@")[0]),
+            email=who,
             password_hash=await self.passwords.hash(password),
             created_at=time.time(),
         )
+        # the invite is spent here, in the account's own transaction (two sign-ups
+        # with one code: one account)
         made = await self.store.add_account(
             account, admin_if_none=True, invite=self._invite_hash(invite)
         )
         return made, await self.start_session(made)
 
     async def _may_sign_up(self, invite: Any) -> None:
+        """`Forbidden` when the sign-up rule refuses a new account with `invite` (checked,
+        not spent: `add_account` spends it). Until an admin exists anyone is let in."""
         rule = self.settings.signup
-        if rule == "closed" and await self.store.has_admin():
+        if rule == "open" or not await self.store.has_admin():
+            return
+        if rule == "closed":
             raise Forbidden("sign-up is closed on this server: ask its admin for an account")
-        if rule == "invite" and invite is not None and not isinstance(invite, str):
+        if invite is not None and not isinstance(invite, str):
             raise BadRequest("invite must be a string")
+        if not invite:
+            raise Forbidden("sign-up on this server needs an invite code: ask its admin for one")
+        if not await self.store.invite_usable(token_hash(invite)):
+            raise bad_invite()
 
     def _invite_hash(self, invite: Any) -> str | None:
         """What the store spends under `invite` sign-ups (a hash no code has, when the
@@ -123,12 +146,13 @@ class Accounts:
         """The account and a new session's token. `Unauthorized` for a wrong email or
         password (the same answer for both), `RateLimited` past the throttle."""
         who = email.strip().lower() if isinstance(email, str) else ""
-        await self.throttle.check(who, address)
+        # counted before the password is checked: attempts sent at once cannot all
+        # pass a check that none of them has added to yet
+        await self.throttle.attempt(who, address)
         account = await self.store.account_by_email(who) if who else None
         given = password if isinstance(password, str) and len(password) <= MAX_LENGTH else ""
         stored = account.password_hash if account is not None else None
         if account is None or not await self.passwords.verify(stored, given):
-            await self.throttle.failed(who, address)
             raise Unauthorized("wrong email or password")
         user_of(account, "session")  # a disabled account is refused here too
         await self.throttle.succeeded(who, address)
@@ -136,25 +160,37 @@ class Accounts:
 
     # -- accounts identity providers vouch for ----------------------------------------------
 
-    async def for_oidc(self, claims: dict[str, Any]) -> tuple[Account, str]:
+    async def for_oidc(
+        self, claims: dict[str, Any], invite: str | None = None
+    ) -> tuple[Account, str]:
         """The account of a verified OIDC sign-in (made on first sign-in when sign-up
-        allows) and a new session's token."""
+        allows: `invite`, the code the sign-in was started with, is spent then) and a
+        new session's token."""
         issuer, subject = str(claims["iss"]).rstrip("/"), str(claims["sub"])
         account = await self.store.account_by_subject(issuer, subject)
         if account is None:
-            if self.settings.signup != "open" and await self.store.has_admin():
+            rule = self.settings.signup
+            if (
+                rule != "open"
+                and not (rule == "invite" and invite)
+                and await self.store.has_admin()
+            ):
                 raise Forbidden(
                     "there is no account for you on this server, and sign-up is "
-                    + ("by invitation" if self.settings.signup == "invite" else "closed")
+                    + ("by invitation: ask its admin for a code" if rule == "invite" else "closed")
                 )
-            account = await self._vouched(issuer, subject, claims, admin_if_none=True)
+            account = await self._vouched(
+                issuer, subject, claims, admin_if_none=True, invite=self._invite_hash(invite)
+            )
         user_of(account, "session")
         return account, await self.start_session(account)
 
-    async def for_jwt(self, claims: dict[str, Any]) -> User:
-        """The user of a verified bearer JWT: its `sub`, an account made on first use
-        (named by its `email`, else `jwt:<sub>`)."""
-        issuer = str(claims.get("iss") or "jwt").rstrip("/")
+    async def for_jwt(self, claims: dict[str, Any], issuer: str) -> User:
+        """The user of a verified bearer JWT: its `sub` under `issuer` — the issuer the
+        token was checked against (`auth.jwt.issuer`), or a name of the keys that
+        checked it (`BearerJwt.verify` says which), never the token's own `iss` claim
+        unchecked. An account is made on first use (named by its `email`, else
+        `jwt:<sub>`)."""
         subject = str(claims["sub"])
         account = await self.store.account_by_subject(issuer, subject)
         if account is None:
@@ -162,7 +198,13 @@ class Accounts:
         return user_of(account, "jwt")
 
     async def _vouched(
-        self, issuer: str, subject: str, claims: dict[str, Any], *, admin_if_none: bool
+        self,
+        issuer: str,
+        subject: str,
+        claims: dict[str, Any],
+        *,
+        admin_if_none: bool,
+        invite: str | None = None,
     ) -> Account:
         email = claims.get("email") if isinstance(claims.get("email"), str) else None
         name = claims.get("name") if isinstance(claims.get("name"), str) else None
@@ -174,7 +216,7 @@ class Accounts:
             created_at=time.time(),
         )
         try:
-            return await self.store.add_account(account, admin_if_none=admin_if_none)
+            return await self.store.add_account(account, admin_if_none=admin_if_none, invite=invite)
         except Conflict:  # made at the same moment by another request
             found = await self.store.account_by_subject(issuer, subject)
             if found is None:

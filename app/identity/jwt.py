@@ -9,7 +9,8 @@ algorithm's type; the signature; then `exp` (required), `nbf` and `iat` with
 `LEEWAY_SECONDS` of clock skew, `iss` (when `auth.jwt.issuer` is set) and `aud`
 (when `auth.jwt.audience` is set; it must be with the issuer's keys) and `sub`
 (required). Each refusal is `Unauthorized` saying which check failed, never which
-key or secret was tried.
+key or secret was tried. The user is the `sub` within a namespace the server chose,
+never the unchecked `iss` (see `BearerJwt.namespace`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class BearerJwt:
         self.audience = settings.audience
         self._secret = OctKey.import_key(settings.secret) if settings.secret else None
         self.jwks: Jwks | None = None
+        self.jwks_url = settings.jwks_url
         if settings.jwks_url:
             url = settings.jwks_url
 
@@ -71,9 +73,10 @@ class BearerJwt:
 
             self.jwks = Jwks(discovered, http)
 
-    async def verify(self, token: str) -> dict[str, Any]:
-        """The token's claims once every check passed; `Unauthorized` saying which did
-        not (`Unavailable` when the issuer's keys cannot be fetched)."""
+    async def verify(self, token: str) -> tuple[dict[str, Any], str]:
+        """The token's claims once every check passed, and the namespace its `sub` is a
+        user of (see `namespace`); `Unauthorized` saying which check failed
+        (`Unavailable` when the issuer's keys cannot be had)."""
         header = _header(token)
         alg = header.get("alg")
         if not isinstance(alg, str) or not alg or alg.lower() == "none":
@@ -105,7 +108,19 @@ class BearerJwt:
             raise Unauthorized("the token cannot be read") from exc
         claims = decoded.claims
         self._check_claims(claims)
-        return claims
+        return claims, self.namespace(by_secret=key is self._secret)
+
+    def namespace(self, *, by_secret: bool) -> str:
+        """Whose `sub` a verified token names — what its accounts are filed under (with
+        the `sub`). With `auth.jwt.issuer` it is that issuer (the `iss` claim was checked
+        to be it), the same accounts an OIDC sign-in at that issuer makes. Otherwise
+        the token's own `iss` proves nothing — whoever holds the keys writes any — so
+        the accounts are filed under the keys that checked it: `jwt:hs256` for the
+        shared secret, `jwt:<jwks_url>` for the key set. A token can then never reach an
+        account another issuer vouched for (an OIDC admin's, say)."""
+        if self.issuer:
+            return self.issuer
+        return "jwt:hs256" if by_secret else f"jwt:{self.jwks_url}"
 
     def _check_claims(self, claims: dict[str, Any]) -> None:
         options: dict[str, Any] = {"exp": {"essential": True}, "sub": {"essential": True}}

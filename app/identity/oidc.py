@@ -3,10 +3,10 @@ authlib's OAuth 2.0 client: the authorization code flow with PKCE (S256), `state
 and `nonce`.
 
 `begin` makes the provider's authorization URL and the flow's cookie: state, nonce,
-PKCE verifier and where to go after, signed (HMAC-SHA256 with a secret the
-deployment keeps in its store) and valid for `FLOW_SECONDS` — so the callback may
-land on any process, and a callback without the browser's own cookie (a link someone
-else started) fails. `finish` checks the state, trades the code (and the verifier)
+PKCE verifier, where to go after and the invite code the sign-in came with, signed
+(HMAC-SHA256 with a secret the deployment keeps in its store) and valid for
+`FLOW_SECONDS` — so the callback may land on any process, and a callback without the
+browser's own cookie (a link someone else started) fails. `finish` checks the state, trades the code (and the verifier)
 for tokens, and checks the ID token: its signature against the provider's keys, `iss`,
 `aud`, `azp`, `exp`/`iat` (60 s skew) and the `nonce`.
 """
@@ -68,14 +68,18 @@ class OidcSignIn:
             timeout=FETCH_SECONDS,
         )
 
-    async def begin(self, redirect_uri: str, next_path: str) -> tuple[str, str]:
-        """The provider's authorization URL and the flow cookie's value."""
+    async def begin(
+        self, redirect_uri: str, next_path: str, invite: str | None = None
+    ) -> tuple[str, str]:
+        """The provider's authorization URL and the flow cookie's value (which carries
+        `invite`, a code to spend if the sign-in makes an account)."""
         endpoint = await self.discovery.endpoint("authorization_endpoint")
         flow = {
             "state": secrets.token_urlsafe(32),
             "nonce": secrets.token_urlsafe(32),
             "verifier": secrets.token_urlsafe(48),
             "next": next_path,
+            "invite": invite,
             "exp": time.time() + FLOW_SECONDS,
         }
         async with self._client(redirect_uri) as client:
@@ -86,10 +90,10 @@ class OidcSignIn:
 
     async def finish(
         self, params: Mapping[str, str], cookie: str | None, redirect_uri: str
-    ) -> tuple[dict[str, Any], str]:
+    ) -> tuple[dict[str, Any], str, str | None]:
         """The verified claims of the signed-in user (the ID token's, with the userinfo
-        endpoint's for what it lacks) and where to go next. `Unauthorized` saying what
-        failed."""
+        endpoint's for what it lacks), where to go next and the invite code the sign-in
+        was started with. `Unauthorized` saying what failed."""
         flow = _unsign(self._key, cookie)
         if params.get("error"):
             raise Unauthorized(f"the identity provider did not sign you in ({params['error']})")
@@ -113,7 +117,8 @@ class OidcSignIn:
             claims = await self._id_token(token, str(flow["nonce"]))
             if not claims.get("email") or not claims.get("name"):
                 claims = {**(await self._userinfo(client, claims["sub"])), **claims}
-        return claims, str(flow["next"])
+        invite = flow.get("invite")
+        return claims, str(flow["next"]), invite if isinstance(invite, str) else None
 
     async def _id_token(self, token: Mapping[str, Any], nonce: str) -> dict[str, Any]:
         id_token = token.get("id_token")

@@ -1,6 +1,9 @@
 """Daily token quotas (PROTOCOL §7, `limits.tokens_per_day`, per user overridable by an
-admin): what a user's answers used today (UTC), as the store's usage records it, is
-checked before a request starts any model work."""
+admin): what a user's answers used today (UTC) is checked before a request starts any
+model work. The count is the store's per-user, per-day tally (`Store.tokens_on`),
+added to as each answer's usage is saved and never lowered: deleting a chat,
+regenerating an answer or a `/v1/responses` answer that is not stored gives nothing
+back."""
 
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ def next_midnight(now: float) -> float:
     return (math.floor(now / DAY) + 1) * DAY
 
 
+def today(now: float) -> int:
+    """The UTC day of `now`, as days since 1970 (how the store counts them)."""
+    return math.floor(now / DAY)
+
+
 class Quota:
     def __init__(self, store: Store, tokens_per_day: int) -> None:
         self.store = store
@@ -29,8 +37,11 @@ class Quota:
 
     async def used_today(self, user_id: str, now: float | None = None) -> int:
         now = time.time() if now is None else now
-        rows = await self.store.usage(user_id, next_midnight(now) - DAY)
-        return sum(row.total_tokens for row in rows)
+        return await self.store.tokens_on(today(now), user_id)
+
+    async def used_today_by_user(self, now: float | None = None) -> dict[str, int]:
+        """`used_today` of every user who used any."""
+        return await self.store.tokens_by_user(today(time.time() if now is None else now))
 
     async def check(self, user: User) -> None:
         """`RateLimited` (with `retry_after` until midnight UTC) once the user's answers

@@ -100,7 +100,8 @@ class Identity:
         if self.accounts is not None and token.startswith(API_KEY_PREFIX):
             return await self.accounts.by_api_key(token)
         if self.accounts is not None and self.jwt is not None and looks_like_jwt(token):
-            return await self.accounts.for_jwt(await self.jwt.verify(token))
+            claims, issuer = await self.jwt.verify(token)
+            return await self.accounts.for_jwt(claims, issuer)
         raise Unauthorized("this API key or token is not valid")
 
     def own_origins(self, conn: HTTPConnection) -> set[str]:
@@ -112,15 +113,22 @@ class Identity:
             own.add(origin_of(self.settings.server.public_url))
         return own
 
-    def check_origin(self, conn: HTTPConnection) -> None:
+    def check_origin(self, conn: HTTPConnection, *, sign_in: bool = False) -> None:
         """`Forbidden` unless a cookie-authenticated write (or a WebSocket opened with
         the cookie) comes from the server's own pages, by its `Origin` or, without one,
-        its `Referer` (a cross-site request cannot make either lie)."""
+        its `Referer` (a cross-site request cannot make either lie). `sign_in`: a
+        write to `/api/auth/*`, which needs one with or without a cookie (another
+        site must not sign a browser in to an account of its choosing)."""
         origin = conn.headers.get("origin")
         if origin is None and conn.headers.get("referer"):
             origin = origin_of(conn.headers["referer"])
         if not origin or origin.lower() == "null":
-            raise Forbidden("a request signed in by cookie must say where it comes from (Origin)")
+            raise Forbidden(
+                "sign-up, sign-in and sign-out must say where they come from: send an Origin"
+                " header naming this server (as browsers do), cookie or not"
+                if sign_in
+                else "a request signed in by cookie must say where it comes from (Origin)"
+            )
         if origin.lower().rstrip("/") not in self.own_origins(conn):
             raise Forbidden("cross-site request refused: it does not come from this server's pages")
 

@@ -1,7 +1,15 @@
-"""Sign-in throttling: failed attempts counted per account and per client address in
-fixed windows — in Redis when it is configured (every process shares the count), in
-this process otherwise. Past either limit a sign-in is refused with `RateLimited`
-before its password is even checked."""
+"""Sign-in and sign-up throttling: attempts counted per account and per client address
+in fixed windows — in Redis when it is configured (every process shares the count),
+in this process otherwise.
+
+Each attempt is counted first, in one atomic step (Redis `INCR`, or an increment with
+no `await` in between), and refused with `RateLimited` when that takes a count past
+its limit — before any password is checked (and then taken back: a refused attempt
+checked nothing). Checking the counts and adding to them afterwards would let many
+attempts sent at once all pass the check before the first one is counted. A right
+password takes its attempt back too: the account's count is cleared and the
+address's lowered by one, so both count failed passwords only.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +30,11 @@ if TYPE_CHECKING:
 #: failed sign-ins allowed per window, per account and per address
 PER_ACCOUNT = 5
 PER_ADDRESS = 30
+#: sign-ups (each one tried, made or not) allowed per window from one address
+SIGNUPS_PER_ADDRESS = 20
 WINDOW_SECONDS = 15 * 60
+#: the most counts this process keeps without Redis
+MEMORY_KEYS = 10_000
 
 
 class SignInThrottle:
@@ -32,15 +44,20 @@ class SignInThrottle:
         *,
         per_account: int = PER_ACCOUNT,
         per_address: int = PER_ADDRESS,
+        signups_per_address: int = SIGNUPS_PER_ADDRESS,
         window: float = WINDOW_SECONDS,
     ) -> None:
         self.redis = redis
         self.limits = {"account": per_account, "address": per_address}
+        self.signups_per_address = signups_per_address
         self.window = window
         self._counts: dict[str, int] = {}
 
+    def _window(self) -> int:
+        return int(time.time() // self.window)
+
     def _keys(self, account: str, address: str) -> dict[str, str]:
-        window = int(time.time() // self.window)
+        window = self._window()
         # the email itself is never a key: Redis keys show up in monitoring
         who = hashlib.sha256(account.strip().lower().encode()).hexdigest()[:32]
         return {
@@ -52,65 +69,72 @@ class SignInThrottle:
         now = time.time()
         return max(1, math.ceil((now // self.window + 1) * self.window - now))
 
-    async def check(self, account: str, address: str) -> None:
-        """RateLimited (with when to try again) when the account or the address has
-        failed too often in this window."""
+    async def attempt(self, account: str, address: str) -> None:
+        """Count one sign-in attempt for the account and the address; `RateLimited`
+        (with when to try again) when either has now gone past its limit."""
         keys = self._keys(account, address)
-        counts = await self._read(list(keys.values()))
+        counts = await self._add(list(keys.values()))
         for (kind, limit), count in zip(self.limits.items(), counts, strict=True):
-            if count >= limit:
+            if count > limit:
+                # refused before any check: not an attempt at the password after all
+                await self._add(list(keys.values()), -1)
                 raise RateLimited(
                     f"too many failed sign-ins for this {kind}; try again later",
                     retry_after=self._retry_after(),
                 )
 
-    async def failed(self, account: str, address: str) -> None:
-        await self._add(list(self._keys(account, address).values()))
-
     async def succeeded(self, account: str, address: str) -> None:
-        """A right password clears the account's count (not the address's)."""
-        key = self._keys(account, address)["account"]
-        if self.redis is not None:
-            try:
-                async with asyncio.timeout(REDIS_SECONDS):
-                    await self.redis.delete(key)
-                return
-            except (RedisError, OSError, TimeoutError):
-                pass
-        self._counts.pop(key, None)
-
-    async def _read(self, keys: list[str]) -> list[int]:
-        if self.redis is not None:
-            try:
-                # one GET each, not MGET: on a Redis Cluster the keys are in other slots
-                async with (
-                    asyncio.timeout(REDIS_SECONDS),
-                    self.redis.pipeline(transaction=False) as pipe,
-                ):
-                    for key in keys:
-                        pipe.get(key)
-                    values = await pipe.execute()
-                return [int(v or 0) for v in values]
-            except (RedisError, OSError, TimeoutError):
-                pass  # Redis is away: this process's own count still holds some back
-        return [self._counts.get(key, 0) for key in keys]
-
-    async def _add(self, keys: list[str]) -> None:
+        """A right password: the account's count is cleared, and this attempt is taken
+        back from the address's (which keeps counting the failures)."""
+        keys = self._keys(account, address)
         if self.redis is not None:
             try:
                 async with (
                     asyncio.timeout(REDIS_SECONDS),
                     self.redis.pipeline(transaction=False) as pipe,
                 ):
-                    for key in keys:
-                        pipe.incr(key)
-                        pipe.expire(key, math.ceil(self.window * 2))
+                    pipe.delete(keys["account"])
+                    pipe.decr(keys["address"])
+                    pipe.expire(keys["address"], math.ceil(self.window * 2))
                     await pipe.execute()
                 return
             except (RedisError, OSError, TimeoutError):
                 pass
-        if len(self._counts) > 10_000:  # only this window's counts matter
-            window = f":{int(time.time() // self.window)}"
+        self._counts.pop(keys["account"], None)
+        if self._counts.get(keys["address"], 0) > 0:
+            self._counts[keys["address"]] -= 1
+
+    async def sign_up(self, address: str) -> None:
+        """Count one sign-up attempt from the address; `RateLimited` past its limit."""
+        (count,) = await self._add([f"sc:signup:address:{address}:{self._window()}"])
+        if count > self.signups_per_address:  # refused sign-ups count too: a flood is refused
+            raise RateLimited(
+                "too many sign-ups from this address; try again later",
+                retry_after=self._retry_after(),
+            )
+
+    async def _add(self, keys: list[str], amount: int = 1) -> list[int]:
+        """Add `amount` to each count and return the new counts, each in one atomic step."""
+        if self.redis is not None:
+            try:
+                # one INCRBY each, not a transaction: on a Redis Cluster the keys are in
+                # other slots, and each count is atomic on its own
+                async with (
+                    asyncio.timeout(REDIS_SECONDS),
+                    self.redis.pipeline(transaction=False) as pipe,
+                ):
+                    for key in keys:
+                        pipe.incrby(key, amount)
+                        pipe.expire(key, math.ceil(self.window * 2))
+                    values = await pipe.execute()
+                return [int(v) for v in values[0::2]]
+            except (RedisError, OSError, TimeoutError):
+                pass  # Redis is away: this process's own count still holds some back
+        if len(self._counts) > MEMORY_KEYS:  # only this window's counts matter
+            window = f":{self._window()}"
             self._counts = {k: v for k, v in self._counts.items() if k.endswith(window)}
-        for key in keys:
-            self._counts[key] = self._counts.get(key, 0) + 1
+        counts = []
+        for key in keys:  # no await from here on: nothing runs between count and check
+            self._counts[key] = self._counts.get(key, 0) + amount
+            counts.append(self._counts[key])
+        return counts

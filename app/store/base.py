@@ -647,8 +647,9 @@ class Store(abc.ABC):
         """Set an answer's final content, reasoning and status — with `saved.question_id`,
         also the question's `rewritten` and `sources` (those given) — in one transaction.
         With `only_streaming`, only an answer still `streaming` changes (a sweeper
-        closing it must not overwrite its owner's save). Returns whether it changed.
-        Saving the same answer twice is harmless."""
+        closing it must not overwrite its owner's save). With `saved.usage`, its tokens
+        are added to the user's count of the day (`tokens_on`). Returns whether it
+        changed. Saving the same answer twice is harmless (it is counted once)."""
 
     @abc.abstractmethod
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
@@ -789,9 +790,16 @@ class Store(abc.ABC):
         """What the user's answers since `since` cost, summed per model."""
 
     @abc.abstractmethod
-    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
-        """Tokens (prompt + completion) of every user's answers since `since`, by user
-        id (users without any left out)."""
+    async def tokens_on(self, day: int, user_id: str) -> int:
+        """Tokens (prompt + completion) the user's answers used on `day` (UTC days since
+        1970, the day each answer began): a count `finish_answer` adds to, in its
+        transaction, the first time an answer's usage is saved (a later save of the
+        same answer adds only what it grew by), and that deleting chats or answers
+        never lowers — a daily quota reads it."""
+
+    @abc.abstractmethod
+    async def tokens_by_user(self, day: int) -> dict[str, int]:
+        """`tokens_on(day, …)` of every user, by user id (users without any left out)."""
 
     # -- accounts ---------------------------------------------------------------------------
 
@@ -863,3 +871,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def add_invite(self, code_hash: str, created_by: str, expires_at: float) -> None:
         """An invite code (by its hash) that one sign-up may spend before `expires_at`."""
+
+    @abc.abstractmethod
+    async def invite_usable(self, code_hash: str) -> bool:
+        """Whether an invite code (by its hash) exists, is not spent and has not expired
+        (a look before a sign-up's costly work; `add_account` is what spends it)."""

@@ -246,6 +246,23 @@ MIGRATIONS = (
     CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
     CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
+    # 9: the tokens each user's answers used, per UTC day (days since 1970): added to
+    # when an answer's usage is saved and never lowered, so deleting chats or answers
+    # gives no quota back (today's count starts from the answers saved so far)
+    """
+    CREATE TABLE tokens_by_day (
+        user_id TEXT NOT NULL,
+        day INTEGER NOT NULL,
+        tokens BIGINT NOT NULL,
+        PRIMARY KEY (user_id, day)
+    );
+    INSERT INTO tokens_by_day (user_id, day, tokens)
+        SELECT c.user_id, floor(m.created_at / 86400)::integer,
+               sum(coalesce(m.prompt_tokens, 0) + coalesce(m.completion_tokens, 0))
+        FROM messages m JOIN chats c ON c.id = m.chat_id
+        WHERE m.role = 'assistant' AND m.model IS NOT NULL
+        GROUP BY 1, 2;
+    """,
 )
 
 
@@ -440,6 +457,17 @@ class PostgresStore(Store):
             changed = _one_row(result)
             if changed and saved.usage is not None:
                 u = saved.usage
+                # what this save adds to the user's day (nothing when saved before)
+                await conn.execute(
+                    "INSERT INTO tokens_by_day (user_id, day, tokens)"
+                    " SELECT c.user_id, floor(m.created_at / 86400)::integer,"
+                    " greatest($1 - coalesce(m.prompt_tokens + m.completion_tokens, 0), 0)"
+                    " FROM messages m JOIN chats c ON c.id = m.chat_id WHERE m.id = $2"
+                    " ON CONFLICT (user_id, day) DO UPDATE"
+                    " SET tokens = tokens_by_day.tokens + excluded.tokens",
+                    u.total_tokens,
+                    answer_id,
+                )
                 await conn.execute(
                     "UPDATE messages SET model = $1, prompt_tokens = $2, completion_tokens = $3,"
                     " reasoning_tokens = $4, usage_estimated = $5 WHERE id = $6",
@@ -663,15 +691,18 @@ class PostgresStore(Store):
         return [Usage(r[0], int(r[2]), int(r[3]), int(r[4]), bool(r[5]), int(r[1])) for r in rows]
 
     @mapped
-    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
-        rows = await self.pool.fetch(
-            "SELECT c.user_id, sum(m.prompt_tokens + m.completion_tokens)"
-            " FROM messages m JOIN chats c ON c.id = m.chat_id"
-            " WHERE m.role = 'assistant' AND m.model IS NOT NULL AND m.created_at >= $1"
-            " GROUP BY c.user_id",
-            since,
+    async def tokens_on(self, day: int, user_id: str) -> int:
+        tokens = await self.pool.fetchval(
+            "SELECT tokens FROM tokens_by_day WHERE user_id = $1 AND day = $2", user_id, day
         )
-        return {str(r[0]): int(r[1] or 0) for r in rows}
+        return int(tokens or 0)
+
+    @mapped
+    async def tokens_by_user(self, day: int) -> dict[str, int]:
+        rows = await self.pool.fetch(
+            "SELECT user_id, tokens FROM tokens_by_day WHERE day = $1 AND tokens > 0", day
+        )
+        return {str(r[0]): int(r[1]) for r in rows}
 
     # -- accounts ---------------------------------------------------------------------------
 
@@ -838,6 +869,15 @@ class PostgresStore(Store):
             created_by,
             expires_at,
         )
+
+    @mapped
+    async def invite_usable(self, code_hash: str) -> bool:
+        found = await self.pool.fetchval(
+            "SELECT 1 FROM invites WHERE code_hash = $1 AND used_by IS NULL"
+            f" AND expires_at > {NOW}",
+            code_hash,
+        )
+        return found is not None
 
     # -- knowledge collections ------------------------------------------------------------
 

@@ -266,6 +266,23 @@ MIGRATIONS = (
     CREATE INDEX collection_documents_by_collection ON collection_documents (collection_id, created_at);
     CREATE INDEX collection_documents_by_import ON collection_documents (import_id);
     """,
+    # 9: the tokens each user's answers used, per UTC day (days since 1970): added to
+    # when an answer's usage is saved and never lowered, so deleting chats or answers
+    # gives no quota back (today's count starts from the answers saved so far)
+    """
+    CREATE TABLE tokens_by_day (
+        user_id TEXT NOT NULL,
+        day INTEGER NOT NULL,
+        tokens INTEGER NOT NULL,
+        PRIMARY KEY (user_id, day)
+    );
+    INSERT INTO tokens_by_day (user_id, day, tokens)
+        SELECT c.user_id, CAST(m.created_at / 86400 AS INTEGER),
+               sum(coalesce(m.prompt_tokens, 0) + coalesce(m.completion_tokens, 0))
+        FROM messages m JOIN chats c ON c.id = m.chat_id
+        WHERE m.role = 'assistant' AND m.model IS NOT NULL
+        GROUP BY c.user_id, CAST(m.created_at / 86400 AS INTEGER);
+    """,
 )
 
 #: SQLite's primary result codes of a database that cannot be used now, rather than
@@ -503,6 +520,15 @@ class SQLiteStore(Store):
             changed = cursor.rowcount == 1
             if changed and saved.usage is not None:
                 u = saved.usage
+                # what this save adds to the user's day (nothing when saved before)
+                await db.execute(
+                    "INSERT INTO tokens_by_day (user_id, day, tokens)"
+                    " SELECT c.user_id, CAST(m.created_at / 86400 AS INTEGER),"
+                    " max(? - coalesce(m.prompt_tokens + m.completion_tokens, 0), 0)"
+                    " FROM messages m JOIN chats c ON c.id = m.chat_id WHERE m.id = ?"
+                    " ON CONFLICT (user_id, day) DO UPDATE SET tokens = tokens + excluded.tokens",
+                    (u.total_tokens, answer_id),
+                )
                 await db.execute(
                     "UPDATE messages SET model = ?, prompt_tokens = ?, completion_tokens = ?,"
                     " reasoning_tokens = ?, usage_estimated = ? WHERE id = ?",
@@ -708,15 +734,18 @@ class SQLiteStore(Store):
         return [Usage(r[0], r[2], r[3], r[4], bool(r[5]), r[1]) for r in rows]
 
     @mapped
-    async def usage_by_user(self, since: float = 0.0) -> dict[str, int]:
+    async def tokens_on(self, day: int, user_id: str) -> int:
         rows = await self._rows(
-            "SELECT c.user_id, sum(m.prompt_tokens + m.completion_tokens)"
-            " FROM messages m JOIN chats c ON c.id = m.chat_id"
-            " WHERE m.role = 'assistant' AND m.model IS NOT NULL AND m.created_at >= ?"
-            " GROUP BY c.user_id",
-            (since,),
+            "SELECT tokens FROM tokens_by_day WHERE user_id = ? AND day = ?", (user_id, day)
         )
-        return {str(r[0]): int(r[1] or 0) for r in rows}
+        return int(rows[0][0]) if rows else 0
+
+    @mapped
+    async def tokens_by_user(self, day: int) -> dict[str, int]:
+        rows = await self._rows(
+            "SELECT user_id, tokens FROM tokens_by_day WHERE day = ? AND tokens > 0", (day,)
+        )
+        return {str(r[0]): int(r[1]) for r in rows}
 
     # -- accounts ---------------------------------------------------------------------------
 
@@ -861,6 +890,14 @@ class SQLiteStore(Store):
             "INSERT INTO invites (code_hash, created_by, created_at, expires_at) VALUES (?, ?, ?, ?)",
             (code_hash, created_by, time.time(), expires_at),
         )
+
+    @mapped
+    async def invite_usable(self, code_hash: str) -> bool:
+        rows = await self._rows(
+            "SELECT 1 FROM invites WHERE code_hash = ? AND used_by IS NULL AND expires_at > ?",
+            (code_hash, time.time()),
+        )
+        return bool(rows)
 
     # -- knowledge collections ------------------------------------------------------------
 

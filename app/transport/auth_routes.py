@@ -9,7 +9,6 @@ another origin.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 from urllib.parse import quote
 
@@ -29,6 +28,8 @@ from ..store.base import iso
 from .http import current_user, error_response, json_errors, read_json
 
 CALLBACK = "/api/auth/oidc/callback"
+#: longer than any invite code the server makes
+MAX_INVITE = 200
 
 
 def _identity(request: Request) -> Identity:
@@ -97,6 +98,12 @@ async def _body(request: Request) -> dict[str, Any]:
 # -- signing in and out -----------------------------------------------------------------------
 
 
+def _address(request: Request) -> str:
+    """The client's address, as sign-in and sign-up throttles count it (behind a trusted
+    proxy, the server already took it from `X-Forwarded-For`)."""
+    return request.client.host if request.client else "unknown"
+
+
 @json_errors
 async def signup(request: Request) -> Response:
     """`POST /api/auth/signup {"email","password","name"?,"invite"?}` → 201 `{"user"}`
@@ -104,7 +111,11 @@ async def signup(request: Request) -> Response:
     accounts = _accounts(request)
     body = await _body(request)
     account, token = await accounts.sign_up(
-        body.get("email"), body.get("password"), body.get("name"), body.get("invite")
+        body.get("email"),
+        body.get("password"),
+        body.get("name"),
+        body.get("invite"),
+        address=_address(request),
     )
     response = JSONResponse({"user": account_json(account)}, status_code=201)
     return _with_session(request, response, token)
@@ -116,8 +127,9 @@ async def login(request: Request) -> Response:
     401 when wrong, 429 once throttled."""
     accounts = _accounts(request)
     body = await _body(request)
-    address = request.client.host if request.client else "unknown"
-    account, token = await accounts.sign_in(body.get("email"), body.get("password"), address)
+    account, token = await accounts.sign_in(
+        body.get("email"), body.get("password"), _address(request)
+    )
     return _with_session(request, JSONResponse({"user": account_json(account)}), token)
 
 
@@ -175,12 +187,17 @@ def _next(value: str | None) -> str:
 
 
 async def oidc_login(request: Request) -> Response:
-    """`GET /api/auth/oidc/login?next=` → to the identity provider (a browser follows a
-    link here: a failure goes back to the sign-in page, saying why)."""
+    """`GET /api/auth/oidc/login?next=&invite=` → to the identity provider (a browser
+    follows a link here: a failure goes back to the sign-in page, saying why). An
+    `invite` code rides along in the signed flow cookie and is spent if the sign-in
+    makes an account (`auth.signup = "invite"`)."""
     try:
         _accounts(request)
+        invite = request.query_params.get("invite") or None
+        if invite is not None and len(invite) > MAX_INVITE:
+            raise BadRequest("this invite code is not valid")
         url, flow = await _oidc(request).begin(
-            _base(request) + CALLBACK, _next(request.query_params.get("next"))
+            _base(request) + CALLBACK, _next(request.query_params.get("next")), invite
         )
     except AppError as exc:
         return _refused(exc)
@@ -208,10 +225,10 @@ async def oidc_callback(request: Request) -> Response:
     else serves `/`."""
     try:
         oidc, accounts = _oidc(request), _accounts(request)
-        claims, next_path = await oidc.finish(
+        claims, next_path, invite = await oidc.finish(
             request.query_params, request.cookies.get(FLOW_COOKIE), _base(request) + CALLBACK
         )
-        _, token = await accounts.for_oidc(claims)
+        _, token = await accounts.for_oidc(claims, invite)
     except AppError as exc:
         response: Response = _refused(exc)
     else:
@@ -261,8 +278,7 @@ async def admin_users(request: Request) -> Response:
     """`GET /api/admin/users` → every account with its quota and its tokens today."""
     _admin(request)
     quota: Quota = request.app.state.quota
-    now = time.time()
-    used = await request.app.state.service.store.usage_by_user(now - now % 86400)
+    used = await quota.used_today_by_user()
     users = await _accounts(request).list_users()
     return JSONResponse(
         {

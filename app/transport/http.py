@@ -223,7 +223,7 @@ class AuthMiddleware:
                 if scope["method"] not in SAFE_METHODS and (
                     signing_in or (user is not None and user.by_cookie)
                 ):
-                    identity.check_origin(request)
+                    identity.check_origin(request, sign_in=signing_in)
             except AppError as exc:
                 # each API answers in its own shape: OpenAI's under /v1/
                 render = openai_error if scope["path"].startswith("/v1/") else error_response

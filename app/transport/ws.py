@@ -184,9 +184,10 @@ class Session:
                 await self.handle(body)
             except AppError as exc:
                 self.metrics.errors.labels(exc.key).inc()
-                await self.writer.send_json(
-                    error_body(exc, **({"chatId": chat_id} if chat_id else {}))
-                )
+                extra: dict[str, Any] = {"chatId": chat_id} if chat_id else {}
+                if exc.retry_after is not None:  # what HTTP says in Retry-After
+                    extra["retryAfter"] = exc.retry_after
+                await self.writer.send_json(error_body(exc, **extra))
             except (WebSocketDisconnect, OSError):
                 raise
             except Exception:  # a bug: say so on this frame, keep the socket

@@ -55,13 +55,21 @@ export function showSignIn(who, message = "") {
       history.replaceState(null, "", window.location.pathname);
     }
     const mayCreate = who.signup !== "closed";
+    // an invite link (/signin?invite=…) opens "Create your account" with its code
+    const invited = new URLSearchParams(window.location.search).get("invite");
+    if (invited && who.signup === "invite") {
+      creating = true;
+      $("#signin-invite").value = invited;
+    }
     const draw = () => {
       $("#signin-title").textContent = creating ? "Create your account" : "Sign in";
       $("#signin-submit").textContent = creating ? "Create account" : "Sign in";
       $("#signin-name-row").hidden = !creating;
       $("#signin-invite-row").hidden = !(creating && who.signup === "invite");
       $("#signin-rule").hidden = !(creating && who.signup === "invite");
-      $("#signin-rule").textContent = "Accounts here are by invitation: ask the admin for a code.";
+      $("#signin-rule").textContent = who.oidc
+        ? `Accounts here are by invitation: enter the admin's code, then create your account or sign in with ${who.oidc.name}.`
+        : "Accounts here are by invitation: ask the admin for a code.";
       $("#signin-password").autocomplete = creating ? "new-password" : "current-password";
       $("#signin-password").minLength = creating ? 10 : 0;
       $("#signin-switch").hidden = !mayCreate;
@@ -78,7 +86,13 @@ export function showSignIn(who, message = "") {
     if (who.oidc) {
       oidc.textContent = `Sign in with ${who.oidc.name}`;
       const next = window.location.pathname === "/signin" ? nextAfterSignIn() : window.location.pathname + window.location.hash;
-      oidc.href = `${who.oidc.login}?next=${encodeURIComponent(next)}`;
+      const login = `${who.oidc.login}?next=${encodeURIComponent(next)}`;
+      oidc.href = login;
+      // a new account through the provider spends the invite code typed here
+      oidc.onclick = () => {
+        const code = who.signup === "invite" ? $("#signin-invite").value.trim() : "";
+        oidc.href = code ? `${login}&invite=${encodeURIComponent(code)}` : login;
+      };
     }
     $("#signin-toggle").onclick = () => {
       creating = !creating;
@@ -253,6 +267,7 @@ async function createKey() {
 
 async function openAdmin() {
   $("#admin-invite-code").hidden = true;
+  $("#admin-invite-link").hidden = true;
   $("#admin-invite").onclick = invite;
   await drawUsers();
   $("#admin").showModal();
@@ -355,6 +370,11 @@ async function invite() {
     const made = await response.json();
     $("#admin-invite-code").textContent = made.invite;
     $("#admin-invite-code").hidden = false;
+    // and a link that opens the sign-up with the code filled in (password or provider)
+    const link = `${window.location.origin}/signin?invite=${encodeURIComponent(made.invite)}`;
+    $("#admin-invite-link").href = link;
+    $("#admin-invite-link").textContent = "invite link";
+    $("#admin-invite-link").hidden = false;
   } catch (error) {
     adminError(error.detail || error.key);
   }
