@@ -6,6 +6,7 @@
     ├── Unauthorized              UNAUTHORIZED, 401
     ├── Forbidden                 FORBIDDEN, 403
     ├── NotFound                  NOT_FOUND, 404
+    │   └── UnknownModel          NOT_FOUND, 404: a `/v1` model that does not exist
     ├── RateLimited               RATE_LIMITED, 429 (carries retry_after)
     ├── ConfigError               CONFIG_ERROR: no model configured
     ├── ModelError                CHAT_ERROR: the model cannot be reached
@@ -59,6 +60,11 @@ class Forbidden(AppError):
 class NotFound(AppError):
     key = "NOT_FOUND"
     status = 404
+
+
+class UnknownModel(NotFound):
+    """A `/v1` request's model is none of `GET /v1/models` (OpenAI's code for it is
+    `model_not_found`; a missing response or chat has none)."""
 
 
 class RateLimited(AppError):

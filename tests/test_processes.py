@@ -18,8 +18,9 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(params=["redis", "cluster"])
-def pair(request, tmp_path, model_url):
-    """Two server processes on one Redis, or on a three-master Redis Cluster."""
+def pair(request, tmp_path, model_url, fake_search):
+    """Two server processes on one Redis, or on a three-master Redis Cluster, searching
+    the fake web."""
     cluster = request.param == "cluster"
     if cluster:
         redis_url = request.getfixturevalue("redis_cluster").url
@@ -34,6 +35,9 @@ def pair(request, tmp_path, model_url):
         "REDIS_URL": redis_url,
         "STREAM_HANDLE_TTL_SECONDS": "1.5",
         "STREAM_FLUSH_INTERVAL_MS": "10",
+        "SEARCH_PROVIDER": "tavily",
+        "TAVILY_API_KEY": fake_search.api_key,
+        "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
     }
     with processes(2, env) as (a, b):
         yield a, b
@@ -290,6 +294,49 @@ async def test_a_background_response_is_followed_from_another_process_without_a_
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == "".join(f"tok{i} " for i in range(60))
     assert done["status"] == "completed" and done["output"][-1]["content"][0]["text"] == text
+
+
+async def test_background_responses_that_search_resume_on_another_process_mid_reasoning(
+    pair, fake_model, fake_search
+):
+    a, b = pair
+    fake_model.answer_text = "Raptor burns methane [4] with oxygen [1]."
+    async with httpx.AsyncClient(timeout=10) as http:
+        body = {
+            "model": "webSearch",
+            "input": "how do falcon engines burn methane #reasoning=6 #delay=0.02",
+            "background": True,
+        }
+        made = (await http.post(a.url + "/v1/responses", json=body)).json()
+        head = []
+        async with http.stream(
+            "GET", f"{a.url}/v1/responses/{made['id']}", params={"stream": "true"}
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    head.append(orjson.loads(line[6:]))
+                    if head[-1]["type"] == "response.reasoning_summary_text.delta":
+                        break
+        after = head[-1]["sequence_number"]
+        tail = await _responses_events(http, f"{b.url}/v1/responses/{made['id']}", after=after)
+        done = (await http.get(f"{b.url}/v1/responses/{made['id']}")).json()
+    events = head + tail
+    kinds = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert (
+        "response.web_search_call.completed"
+        in kinds[: kinds.index("response.reasoning_summary_part.added")]
+    )
+    thought = "".join(
+        e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta"
+    )
+    assert thought == "".join(f"why{i} " for i in range(6))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == fake_model.answer_text
+    assert kinds[-1] == "response.completed" and events[-1]["response"]["output"] == done["output"]
+    assert [item["type"] for item in done["output"]] == ["web_search_call", "reasoning", "message"]
+    notes = done["output"][-1]["content"][0]["annotations"]
+    assert [text[n["start_index"] : n["end_index"]] for n in notes] == ["[4]", "[1]"]
 
 
 async def test_cancel_on_another_process_stops_a_background_response(pair, fake_model):

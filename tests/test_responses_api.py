@@ -12,6 +12,8 @@ import openai
 import pytest
 
 from app.main import create_app
+from app.transport.responses import SEARCH_SOURCES
+from tests.client import chat_body
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.servers import serve
 
@@ -137,16 +139,22 @@ def test_the_sdks_stream_helper_gets_the_final_response(settings, fake_model, fa
 
 
 def test_previous_response_id_continues_the_same_chat(settings, fake_model):
+    seven, eight = {"userId": "7"}, {"userId": "8"}
     with api(settings) as (server, client):
-        first = client.responses.create(model="deepSeek", input="what is methane?", user="7")
+        first = client.responses.create(
+            model="deepSeek", input="what is methane?", extra_body=seven
+        )
         second = client.responses.create(
-            model="deepSeek", input="and then?", previous_response_id=first.id, user="7"
+            model="deepSeek",
+            input="and then?",
+            previous_response_id=first.id,
+            extra_body=seven,
         )
         assert second.previous_response_id == first.id
         chats = httpx.get(server.url + "/api/chats", params={"userId": "7"}).json()["chats"]
         with pytest.raises(openai.NotFoundError):
             client.responses.create(
-                model="deepSeek", input="mine?", previous_response_id=first.id, user="8"
+                model="deepSeek", input="mine?", previous_response_id=first.id, extra_body=eight
             )
     assert len(chats) == 1
     sent = fake_model.streamed_requests()[-1]["messages"]
@@ -157,29 +165,159 @@ def test_previous_response_id_continues_the_same_chat(settings, fake_model):
     ]
 
 
-def test_retrieve_and_delete_a_stored_response(settings, fake_model):
-    with api(settings) as (_, client):
-        made = client.responses.create(model="deepSeek", input="q #tokens=3", user="7")
-        got = client.responses.retrieve(made.id, extra_query={"user": "7"})
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(made.id, extra_query={"user": "8"})
-        client.responses.delete(made.id, extra_query={"user": "7"})
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(made.id, extra_query={"user": "7"})
-    assert got.status == "completed" and got.output_text == "tok0 tok1 tok2 "
+def _asked(fake_model) -> list[str]:
+    """The conversation the model was last given, without the system prompt."""
+    return [m["content"] for m in fake_model.streamed_requests()[-1]["messages"][1:]]
 
 
-def test_store_false_keeps_nothing(settings, fake_model):
+def test_an_older_previous_response_id_branches_from_that_response(settings, fake_model):
     with api(settings) as (server, client):
-        made = client.responses.create(model="deepSeek", input="q #tokens=3", store=False)
+        one = client.responses.create(model="deepSeek", input="one #tokens=1")
+        two = client.responses.create(
+            model="deepSeek", input="two #tokens=2", previous_response_id=one.id
+        )
+        three = client.responses.create(
+            model="deepSeek", input="three #tokens=3", previous_response_id=one.id
+        )
+        assert _asked(fake_model) == ["one #tokens=1", "tok0 ", "three #tokens=3"]
+        client.responses.create(model="deepSeek", input="four", previous_response_id=three.id)
+        assert _asked(fake_model) == [
+            "one #tokens=1",
+            "tok0 ",
+            "three #tokens=3",
+            "tok0 tok1 tok2 ",
+            "four",
+        ]
+        client.responses.create(model="deepSeek", input="five", previous_response_id=two.id)
+        assert _asked(fake_model) == [
+            "one #tokens=1",
+            "tok0 ",
+            "two #tokens=2",
+            "tok0 tok1 ",
+            "five",
+        ]
+        (chat,) = httpx.get(server.url + "/api/chats").json()["chats"]
+    assert chat["id"]  # one chat holds every branch
+
+
+def test_a_chat_of_the_web_client_continues_from_the_answer_named(settings, fake_model):
+    with api(settings) as (server, client):
+        answers = []
+        for question in ("one #tokens=1", "two #tokens=2", "three"):
+            body = chat_body(question, chatId="77")
+            with httpx.stream("POST", server.url + "/api/chat/sse", json=body) as response:
+                text = "".join(response.iter_text())
+            answers.append(re.search(r'"messageId":"(\d+)"', text).group(1))
+        client.responses.create(
+            model="deepSeek",
+            input="four",
+            previous_response_id=f"resp_{answers[1]}",
+            extra_body={"userId": "1"},
+        )
+    assert _asked(fake_model) == ["one #tokens=1", "tok0 ", "two #tokens=2", "tok0 tok1 ", "four"]
+
+
+def test_retrieve_cancel_and_delete_as_the_sdk_calls_them(settings, fake_model):
+    with api(settings) as (_, client):
+        made = client.responses.create(model="deepSeek", input="q #tokens=3", user="end-user-7")
+        got = client.responses.retrieve(made.id)
+        done = client.responses.cancel(made.id)  # it has ended: it stays as it was
+        client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(made.id)
+    assert got.status == "completed" and got.output_text == "tok0 tok1 tok2 "
+    assert got.user == "end-user-7" and done.status == "completed"
+    assert info.value.body["code"] is None  # no model is missing
+
+
+def test_a_response_of_another_user_is_not_found(settings, fake_model):
+    with api(settings) as (_, client):
+        made = client.responses.create(
+            model="deepSeek", input="q #tokens=3", extra_body={"userId": "7"}
+        )
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)  # user "0"'s request
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(made.id, extra_query={"userId": "8"})
+        got = client.responses.retrieve(made.id, extra_query={"userId": "7"})
+        client.responses.delete(made.id, extra_query={"userId": "7"})
+    assert got.output_text == "tok0 tok1 tok2 "
+
+
+def test_a_response_reads_the_same_after_its_events_expire(settings, fake_model, fake_search):
+    fake_model.answer_text = ANSWER
+    quick = {"replay_ttl_seconds": 0.3}
+    with api(settings, stream=quick, search={"provider": "searxng"}) as (_, client):
+        first = client.responses.create(model="deepSeek", input="first")
+        made = client.responses.create(
+            model="webSearch:quality",
+            input=RELEVANT_QUESTION,
+            instructions="Answer briefly.",
+            metadata={"ticket": "42"},
+            include=["web_search_call.action.sources"],
+            previous_response_id=first.id,
+            user="end-user-7",
+            extra_body={"return_images": True, "return_related_questions": True},
+        )
+        while_kept = client.responses.retrieve(made.id)
+        time.sleep(0.6)
+        expired = client.responses.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):  # its events are gone
+            client.responses.retrieve(made.id, stream=True)
+    assert expired.model == "webSearch:quality" and expired.instructions == "Answer briefly."
+    assert expired.metadata == {"ticket": "42"} and expired.previous_response_id == first.id
+    assert expired.user == "end-user-7" and expired.store is True
+    assert expired.output[0].type == "web_search_call" and expired.output[0].action.sources
+    assert expired.model_extra["images"] and expired.model_extra["related_questions"]
+    assert expired.usage.output_tokens > 0
+    assert expired.usage.model_extra["num_search_queries"] == 1
+    assert expired.model_dump() == while_kept.model_dump() == made.model_dump()
+
+
+def test_store_false_forgets_that_turn_only(settings, fake_model):
+    with api(settings) as (server, client):
+        kept = client.responses.create(model="deepSeek", input="kept #tokens=2")
+        made = client.responses.create(
+            model="deepSeek", input="q #tokens=3", store=False, previous_response_id=kept.id
+        )
+        url = server.url + f"/v1/responses/{made.id}"
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if not httpx.get(server.url + "/api/chats", params={"userId": "0"}).json()["chats"]:
-                break
+        while time.monotonic() < deadline and httpx.get(url).status_code != 404:
             time.sleep(0.05)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(made.id)
+        earlier = client.responses.retrieve(kept.id)
+        (chat,) = httpx.get(server.url + "/api/chats").json()["chats"]
+        messages = httpx.get(server.url + f"/api/chats/{chat['id']}").json()["messages"]
+        alone = client.responses.create(model="deepSeek", input="alone", store=False)
+        while (
+            time.monotonic() < deadline
+            and len(httpx.get(server.url + "/api/chats").json()["chats"]) > 1
+        ):
+            time.sleep(0.05)
+        chats = httpx.get(server.url + "/api/chats").json()["chats"]
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model="deepSeek", input="q", store=False, background=True)
     assert made.output_text == "tok0 tok1 tok2 " and made.store is False
+    assert earlier.output_text == "tok0 tok1 "
+    assert [m["content"] for m in messages] == ["kept #tokens=2", "tok0 tok1 "]
+    assert alone.output_text and [c["id"] for c in chats] == [chat["id"]]
+
+
+def test_delete_takes_that_turn_only(settings, fake_model):
+    with api(settings) as (server, client):
+        first = client.responses.create(model="deepSeek", input="first #tokens=1")
+        second = client.responses.create(
+            model="deepSeek", input="second", previous_response_id=first.id
+        )
+        deleted = client.responses.delete(second.id)
+        (chat,) = httpx.get(server.url + "/api/chats").json()["chats"]
+        messages = httpx.get(server.url + f"/api/chats/{chat['id']}").json()["messages"]
+        client.responses.delete(first.id)
+        chats = httpx.get(server.url + "/api/chats").json()["chats"]
+    assert deleted is None or deleted.deleted
+    assert [m["content"] for m in messages] == ["first #tokens=1", "tok0 "]
+    assert chats == []
 
 
 def test_background_runs_on_and_is_resumed_exactly(settings, fake_model):
@@ -250,6 +388,62 @@ def test_errors_come_in_openais_shape(settings, fake_model, call, error, status)
         client.responses.create(**{"model": "deepSeek", "input": "q", **call})
     assert info.value.status_code == status
     assert set(info.value.body) >= {"message", "type", "code"} and info.value.body["message"]
+    if status == 404:  # only a missing model is `model_not_found`
+        assert info.value.body["code"] == ("model_not_found" if "model" in call else None)
+
+
+def test_a_response_that_fails_at_once_is_numbered_alike_everywhere(settings, fake_model):
+    with api(settings) as (server, client):
+        events = list(
+            client.responses.create(
+                model="deepSeek", input="q #fail=400", background=True, stream=True
+            )
+        )
+        url = f"{server.url}/v1/responses/{events[0].response.id}"
+        again = _sse(url, {"stream": "true"})
+        seen = client.responses.retrieve(events[0].response.id)
+    kinds = ["response.created", "response.in_progress", "response.failed"]
+    assert [e.type for e in events] == kinds == [e["type"] for e in again]
+    assert [e.sequence_number for e in events] == [0, 1, 2]
+    assert [e["sequence_number"] for e in again] == [0, 1, 2]
+    assert events[-1].response.background is True and seen.background is True
+    assert seen.status == "failed" and seen.error.message == events[-1].response.error.message
+
+
+def test_annotations_count_code_points_before_a_marker(settings, fake_model, fake_search):
+    fake_model.answer_text = "Ünïcødé 🚀 and 中文 say [2], then [1]."
+    with api(settings) as (_, client):
+        response = client.responses.create(model="webSearch", input=RELEVANT_QUESTION)
+    text = response.output_text
+    notes = response.output[-1].content[0].annotations
+    assert [text[n.start_index : n.end_index] for n in notes] == ["[2]", "[1]"]
+    assert notes[0].start_index == len("Ünïcødé 🚀 and 中文 say ")  # not its UTF-16 length
+
+
+def test_include_lists_web_pages_only():
+    from app.events import Event
+    from app.transport.responses import ResponseRequest, ResponseState
+
+    state = ResponseState("1", ResponseRequest("webSearch", include=(SEARCH_SOURCES,)))
+    search = {"id": "search-1", "kind": "search", "query": "q"}
+    for kind, data in [
+        ("progress", {"data": "s", "step": {**search, "status": "running"}}),
+        ("progress", {"data": "s", "step": {**search, "status": "done", "results": 1}}),
+        (
+            "sources",
+            {
+                "data": [
+                    {"metadata": {"title": "Page", "url": "https://a.example/1"}},
+                    {"metadata": {"title": "notes.pdf", "url": "File", "fileId": "9"}},
+                    {"metadata": {"title": "All Sources", "url": "//host/sources/1"}},
+                ]
+            },
+        ),
+        ("messageEnd", {"status": "completed"}),
+    ]:
+        state.feed(Event(kind, "c", "1", data))
+    (call,) = [i for i in state.response()["output"] if i["type"] == "web_search_call"]
+    assert call["action"]["sources"] == [{"type": "url", "url": "https://a.example/1"}]
 
 
 def test_a_failed_answer_is_a_failed_response(settings, fake_model):

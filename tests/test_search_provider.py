@@ -379,6 +379,47 @@ async def test_a_focus_mode_keeps_ddgs_to_its_sites(keyless, fake_model, recorde
     assert recorded.asked("text") == [f"{QUESTION} (site:reddit.com)"]
 
 
+async def test_the_search_filters_reach_ddgs_as_its_timelimit_and_site_operators(
+    keyless, fake_model, recorded
+):
+    search = {"domains": ["example.org", "-learn.example.net"], "recency": "week"}
+    async with running(keyless) as http:
+        events = await sse_chat(http, search_body(search=search))
+    ((kind, query, kwargs),) = recorded.calls
+    assert kind == "text" and kwargs["timelimit"] == "w"
+    assert query == f"{QUESTION} (site:example.org) -site:learn.example.net"
+    sources = next(e for e in events if e.type == "sources").data["data"]
+    # what ddgs answered from elsewhere is dropped afterwards all the same
+    assert [s["metadata"]["url"] for s in sources[:-1]] == [TEXT_RESULTS[0]["href"]]
+
+
+async def test_an_hour_asks_ddgs_for_a_day(keyless, fake_model, recorded):
+    async with running(keyless) as http:
+        await sse_chat(http, search_body(search={"recency": "hour"}))
+    ((_, _, kwargs),) = recorded.calls
+    assert kwargs["timelimit"] == "d"
+
+
+async def test_ddgs_images_keep_their_size_on_v1(keyless, fake_model, recorded):
+    body = {
+        "model": "webSearch",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "return_images": True,
+    }
+    async with running(keyless) as http:
+        answer = (await http.post("/v1/chat/completions", json=body)).json()
+    assert answer["images"][:2] == [
+        {
+            "image_url": i["image"],
+            "origin_url": i["url"],
+            "title": i["title"],
+            "height": i["height"],
+            "width": i["width"],
+        }
+        for i in IMAGES_RESULTS[:2]
+    ]
+
+
 async def test_images_videos_and_discover_come_from_ddgs(keyless, fake_model, recorded):
     for kind, bad in UNLINKABLE.items():
         recorded.answers[kind] = recorded.answers[kind] + bad

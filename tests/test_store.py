@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.errors import Conflict, Forbidden, Unavailable
-from app.store import Chat, Saved, StoredMessage, open_store
+from app.store import Chat, Saved, StoredMessage, StoredResponse, open_store
 from app.store.postgres import MIGRATIONS as PG_MIGRATIONS
 from app.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
 from tests.conftest import asyncio_run_in_thread
@@ -149,6 +149,36 @@ async def test_regenerate_deletes_the_answer_and_everything_after(store):
     assert [m.id for m in await store.list_messages("c1")] == ["q1", "a1", "q2", "a2b"]
 
 
+async def test_a_response_keeps_its_request_and_outcome_and_goes_with_its_answer(store):
+    await ask(store, "c1", "q1", "a1", 100.0)
+    await ask(store, "c1", "q2", "a2", 101.0)
+    asked = {"model": "webSearch:quality", "metadata": {"k": "v"}, "include": ["x"]}
+    await store.add_response(StoredResponse("a2", asked, previous="a1"))
+    got = await store.get_response("a2")
+    assert (got.request, got.previous, got.outcome) == (asked, "a1", None)
+    outcome = [{"type": "messageEnd", "data": {"status": "completed", "images": []}}]
+    await store.end_response("a2", outcome)
+    assert (await store.get_response("a2")).outcome == outcome
+    assert await store.get_response("a1") is None
+    await store.begin_answer(
+        chat(), message("q2", at=101.0), answer("a3", "q2", 102.0), regenerate=True
+    )
+    assert await store.get_response("a2") is None  # its answer was regenerated away
+
+
+async def test_deleting_a_turn_keeps_the_rest_of_its_chat(store):
+    await ask(store, "c1", "q1", "a1", 100.0)
+    await ask(store, "c1", "q2", "a2", 101.0)
+    await store.add_response(StoredResponse("a2", {"model": "deepSeek"}, previous="a1"))
+    assert not await store.delete_turn("q1")  # a question is not a turn's answer
+    assert await store.delete_turn("a2")
+    assert not await store.delete_turn("a2")
+    assert [m.id for m in await store.list_messages("c1")] == ["q1", "a1"]
+    assert await store.get_response("a2") is None
+    assert await store.delete_turn("a1")  # the last turn: the chat goes too
+    assert await store.get_chat("c1") is None and await store.list_messages("c1") == []
+
+
 async def test_worker_numbers_are_leased_one_per_process(store):
     leased = [await store.lease_worker(f"p{i}", ttl=30, workers=8) for i in range(8)]
     assert sorted(leased) == list(range(8))
@@ -270,7 +300,7 @@ USED_BEFORE_THE_TALLY = [
 async def test_the_daily_token_tally_starts_from_the_answers_saved_before_it(store_url):
     """Upgrading does not hand back what was used today: the tally is filled from the
     answers already saved."""
-    tally = len(SQLITE_MIGRATIONS) - 1
+    tally = next(i for i, script in enumerate(SQLITE_MIGRATIONS) if "tokens_by_day" in script)
     assert "tokens_by_day" in SQLITE_MIGRATIONS[tally] and "tokens_by_day" in PG_MIGRATIONS[tally]
     if store_url.startswith("sqlite"):
         db = sqlite3.connect(store_url.removeprefix("sqlite:///"))

@@ -198,6 +198,7 @@ class Generation:
         if images is not None:
             self.extras["images"] = [
                 {"image_url": i.img_src, "origin_url": i.url, "title": i.title}
+                | ({"height": i.height, "width": i.width} if i.width and i.height else {})
                 for i in await images
             ]
         if req.related:

@@ -97,7 +97,7 @@ class ChatService:
             sources_link=self.sources_link,
         )
         self._generations: dict[str, Generation] = {}
-        self._runs: set[asyncio.Task[None]] = set()
+        self._runs: dict[str, asyncio.Task[None]] = {}  # answer id → its `run()`
         self._link_key = b""
         self.accepting = True
         #: why the model, or web search, cannot be used at all, as found at start (or None)
@@ -197,7 +197,7 @@ class ChatService:
         self._generations[handle.answer_id] = generation
         self.keeper.track(generation)
         run = asyncio.create_task(generation.run(), name=f"generation-{handle.answer_id}")
-        self._runs.add(run)
+        self._runs[handle.answer_id] = run
         run.add_done_callback(functools.partial(self._ended, handle.answer_id))
         return handle
 
@@ -279,13 +279,21 @@ class ChatService:
         self.metrics.cancels.inc()
         return handle
 
+    async def ended(self, handle: Handle) -> None:
+        """Until a generation this process runs has ended: its answer saved (or left to
+        the keeper) and its terminal event written. At once for one it does not run.
+        Cancelling is safe: the generation is not affected."""
+        run = self._runs.get(handle.answer_id)
+        if run is not None:
+            await asyncio.wait([run])
+
     def stop_here(self, handle: Handle) -> None:
         """Cancel a generation of this process at once (its client went away and wants
         no more of it: the OpenAI-compatible API); nothing when it has ended."""
         self._cancel_here(handle.answer_id)
 
     def _ended(self, answer_id: str, run: asyncio.Task[None]) -> None:
-        self._runs.discard(run)
+        self._runs.pop(answer_id, None)
         self._generations.pop(answer_id, None)
         self.keeper.untrack(answer_id)
         if not run.cancelled() and run.exception() is not None:
@@ -438,11 +446,11 @@ class ChatService:
             await asyncio.wait(running, timeout=grace)
         self.hurry()
         if self._runs:
-            await asyncio.wait(list(self._runs), timeout=10)
-        for run in list(self._runs):  # stuck past all that: stop waiting for them
+            await asyncio.wait(list(self._runs.values()), timeout=10)
+        for run in list(self._runs.values()):  # stuck past all that: stop waiting for them
             run.cancel()
         if self._runs:
-            await asyncio.wait(list(self._runs), timeout=5)
+            await asyncio.wait(list(self._runs.values()), timeout=5)
 
     def hurry(self) -> None:
         """Cancel every running generation now (a drain waiting on them ends sooner)."""

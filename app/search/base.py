@@ -6,7 +6,7 @@ import abc
 import json
 import logging
 from dataclasses import dataclass, replace
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -86,13 +86,15 @@ class SearchFilters:
     def dated(self) -> bool:
         return bool(self.recency or self.after or self.before)
 
-    def since(self, now: datetime | None = None) -> date | None:
-        """The first day a page may be from: the later of `after` and `recency`."""
-        recent = None
+    def since(self, now: datetime | None = None) -> datetime | None:
+        """The first moment a page may be from (UTC): the later of the start of the day
+        `after` and `now` less `recency`."""
+        moments = []
+        if self.after is not None:
+            moments.append(datetime.combine(self.after, time(), UTC))
         if self.recency:
-            recent = ((now or datetime.now(UTC)) - RECENCY[self.recency]).date()
-        days = [d for d in (self.after, recent) if d is not None]
-        return max(days) if days else None
+            moments.append((now or datetime.now(UTC)) - RECENCY[self.recency])
+        return max(moments) if moments else None
 
     def allows_domain(self, url: str) -> bool:
         host = (urlsplit(url).hostname or "").lower()
@@ -100,14 +102,20 @@ class SearchFilters:
             return False
         return not self.include or any(in_domain(host, d) for d in self.include)
 
-    def allows_date(self, published: str) -> bool | None:
+    def allows_date(self, published: str, now: datetime | None = None) -> bool | None:
         """Whether a page published then passes the date filters; None when its date is
-        unknown (or not a date)."""
-        day = day_of(published)
-        if day is None:
+        unknown (or not a date). A date with a time of day is compared to the moment
+        (an `hour` keeps what is at most an hour old); a bare day passes `since` when
+        that day is (the page may be from any time of it)."""
+        moment = moment_of(published)
+        if moment is None:
             return None
-        since = self.since()
-        return not (since and day < since) and not (self.before and day > self.before)
+        timed = len(published.strip()) > 10
+        day = moment.astimezone(UTC).date() if timed else moment.date()
+        since = self.since(now)
+        if since is not None and (moment < since if timed else day < since.date()):
+            return False
+        return not (self.before and day > self.before)
 
 
 def in_domain(host: str, domain: str) -> bool:
@@ -115,23 +123,31 @@ def in_domain(host: str, domain: str) -> bool:
     return host == domain or host.endswith("." + domain)
 
 
-def day_of(value: str) -> date | None:
-    """The day of an ISO 8601 date or date-time ("2026-03-01", "2026-03-01T10:00:00Z")."""
+def moment_of(value: str) -> datetime | None:
+    """An ISO 8601 date ("2026-03-01": its midnight) or date-time ("2026-03-01T10:00:00Z";
+    UTC when it names no zone) as an aware datetime; None for anything else."""
     try:
-        return date.fromisoformat(value[:10])
+        moment = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
-        return None
+        try:
+            moment = datetime.combine(date.fromisoformat(value.strip()[:10]), time())
+        except ValueError:
+            return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
 class MediaResult:
     """An image, or a video: `img_src` the picture (a video's thumbnail), `url` the page
-    it is on, `iframe_src` a video's embeddable player."""
+    it is on, `iframe_src` a video's embeddable player; the picture's `width` and
+    `height` in pixels when the provider says (else 0)."""
 
     title: str
     url: str
     img_src: str
     iframe_src: str = ""
+    width: int = 0
+    height: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +224,13 @@ class SearchProvider(abc.ABC):
 def text(value: Any) -> str:
     """A field of a provider's answer as text ("" for a missing or non-string one)."""
     return value if isinstance(value, str) else ""
+
+
+def pixels(value: Any) -> int:
+    """A provider's width or height as pixels (0 when there is none)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def absolute(url: Any) -> str:

@@ -37,6 +37,7 @@ from .base import (
     SearchResult,
     SearchScope,
     absolute,
+    pixels,
     site_query,
     text,
 )
@@ -128,7 +129,8 @@ class DdgsSearch(SearchProvider):
             page = absolute(item.get("url"))
             picture = absolute(item.get("image")) or absolute(item.get("thumbnail"))
             if page and picture:
-                found.append(MediaResult(text(item.get("title")), page, picture))
+                width, height = pixels(item.get("width")), pixels(item.get("height"))
+                found.append(MediaResult(text(item.get("title")), page, picture, "", width, height))
         return found[:limit]
 
     async def videos(self, query: str, limit: int) -> list[MediaResult]:

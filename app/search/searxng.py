@@ -1,9 +1,11 @@
 """SearxNG: `GET {searxng.url}/search?q=…&format=json` (JSON output enabled on the instance).
 
 Focus modes that keep to some sources pass SearxNG engines (`engines=arxiv,…`);
-recency is its `time_range` (day, week, month, year: an hour asks for a day); it has
-no domain or date-range parameters, so those are applied to its results (which carry
-`publishedDate` when the engine gives one). Images, videos and news are its `images`,
+recency is its `time_range` (day, week, month, year: an hour asks for a day). It has
+no domain parameters: the domain filters go into the query as `site:` / `-site:`
+operators, which the engines that know them (Google, Bing, DuckDuckGo, …) apply, and
+are applied to its results again; it has no date range either, so dates are checked
+on its results (which carry `publishedDate` when the engine gives one). Images, videos and news are its `images`,
 `videos` and `news` categories.
 """
 
@@ -23,6 +25,7 @@ from .base import (
     SearchResult,
     SearchScope,
     absolute,
+    pixels,
     results_from,
     site_query,
     text,
@@ -31,7 +34,7 @@ from .base import (
 
 class SearxngSearch(SearchProvider):
     name = "SearxNG"
-    honours = frozenset({"recency"})
+    honours = frozenset({"domains", "recency"})
 
     def __init__(self, http: httpx.AsyncClient, settings: SearxngSettings) -> None:
         super().__init__(http)
@@ -60,11 +63,12 @@ class SearxngSearch(SearchProvider):
         scope: SearchScope | None = None,
         filters: SearchFilters | None = None,
     ) -> list[SearchResult]:
-        params = {"q": query}
-        if scope is not None and scope.engines:
-            params["engines"] = ",".join(scope.engines)
-        elif scope is not None:  # a site named, no engine for it: `site:` in the query
-            params["q"] = site_query(query, scope)
+        engines = scope.engines if scope is not None else ()
+        # the mode's engines, or else its sites as `site:`; the domain filters as `site:`
+        # and `-site:` either way (the engines that know the operators apply them)
+        params = {"q": site_query(query, None if engines else scope, filters)}
+        if engines:
+            params["engines"] = ",".join(engines)
         if filters is not None and filters.recency:
             params["time_range"] = "day" if filters.recency == "hour" else filters.recency
         items = await self._results(**params)
@@ -82,7 +86,10 @@ class SearxngSearch(SearchProvider):
         for item in await self._results(q=query, categories="images"):
             img = absolute(item.get("img_src")) or absolute(item.get("thumbnail_src"))
             if img and absolute(item.get("url")):
-                found.append(MediaResult(text(item.get("title")), item["url"], img))
+                width, height = resolution(item.get("resolution"))
+                found.append(
+                    MediaResult(text(item.get("title")), item["url"], img, "", width, height)
+                )
         return found[:limit]
 
     async def videos(self, query: str, limit: int) -> list[MediaResult]:
@@ -104,3 +111,13 @@ class SearxngSearch(SearchProvider):
                     NewsItem(text(item.get("title")), url, text(item.get("content")), thumbnail)
                 )
         return found[:limit]
+
+
+def resolution(value: Any) -> tuple[int, int]:
+    """SearxNG's `resolution` of an image ("1920x1080", "1920 × 1080") as (width,
+    height); (0, 0) when it has none."""
+    parts = text(value).replace("×", "x").lower().split("x")
+    if len(parts) != 2:
+        return 0, 0
+    width, height = pixels(parts[0]), pixels(parts[1])
+    return (width, height) if width and height else (0, 0)

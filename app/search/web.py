@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import logging
 import socket
 import time
@@ -179,6 +180,7 @@ class WebSearch:
         self.embedder = embedder
         self.prompts = prompts
         self._discovered: tuple[float, list[NewsItem] | None] = (0.0, None)
+        self._notes = itertools.count(1)  # the ids of the notes' steps
         self._discovering = asyncio.Lock()
 
     async def aclose(self) -> None:
@@ -259,12 +261,17 @@ class WebSearch:
         self, out: Progress, results: list[SearchResult], filters: SearchFilters | None
     ) -> list[SearchResult]:
         """The results that pass `filters` (see `kept`); what could not be checked is
-        said in a `progress` event."""
+        said in a `progress` event with a `search` step of its own (status `done`, its
+        text as `note`)."""
         if filters is None:
             return results
         results, unchecked = kept(results, filters, self.provider.honours)
+        provider = PROVIDER_LABELS.get(self.provider.name, self.provider.name)
         for what in unchecked:
-            out.emit("progress", data=f"{self.provider.name} cannot filter by date: {what} kept")
+            note = f"{self.provider.name} cannot filter by date: {what} kept"
+            # a step, so that the clients that show only steps (/v1) show it too
+            step = {"id": f"note-{next(self._notes)}", "kind": "search", "status": "done"}
+            out.emit("progress", data=note, step={**step, "provider": provider, "note": note})
         return results
 
     async def refine(

@@ -15,6 +15,7 @@ from .base import (
     Store,
     StoredChunk,
     StoredMessage,
+    StoredResponse,
     Usage,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "Store",
     "StoredChunk",
     "StoredMessage",
+    "StoredResponse",
     "Usage",
     "open_store",
 ]

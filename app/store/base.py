@@ -52,6 +52,21 @@ class StoredMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """What an answer asked through the Responses API keeps beside it (PROTOCOL §11):
+    what its request said that the response echoes (`request`: model, instructions,
+    metadata, …), the answer it continued (`previous`, for `previous_response_id`),
+    and, once it has ended, `outcome`: the events of its stream that are not the
+    answer's text (its searches and notes, its end with usage, images and related
+    questions), each `{"type", "data"}`."""
+
+    answer_id: str
+    request: dict[str, Any]
+    previous: str | None = None
+    outcome: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class FileRecord:
     """An uploaded file: `status` is `indexing`, `ready` or `failed` (then `error`)."""
 
@@ -672,6 +687,25 @@ class Store(abc.ABC):
     ) -> list[StoredMessage]:
         """Answers still `streaming` that began before `created_before`, oldest first
         (by `created_at`, then id), from after the (created_at, id) `after`."""
+
+    @abc.abstractmethod
+    async def delete_turn(self, answer_id: str) -> bool:
+        """Delete an answer and its question (and what is kept with the answer), and
+        their chat when no message is left in it; False when there was no such answer."""
+
+    # -- Responses API answers --------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def add_response(self, response: StoredResponse) -> None:
+        """Keep what a response's request said (its answer must exist; it goes when its
+        answer does)."""
+
+    @abc.abstractmethod
+    async def end_response(self, answer_id: str, outcome: list[dict[str, Any]]) -> None:
+        """Keep what a response showed beyond its answer's text, once it has ended."""
+
+    @abc.abstractmethod
+    async def get_response(self, answer_id: str) -> StoredResponse | None: ...
 
     # -- what the processes of a deployment share --------------------------------------------
 

@@ -45,6 +45,7 @@ from .base import (
     Store,
     StoredChunk,
     StoredMessage,
+    StoredResponse,
     Usage,
     account_change_sql,
     account_from_row,
@@ -262,6 +263,16 @@ MIGRATIONS = (
         FROM messages m JOIN chats c ON c.id = m.chat_id
         WHERE m.role = 'assistant' AND m.model IS NOT NULL
         GROUP BY 1, 2;
+    """,
+    # 10: what a Responses API answer keeps beside it: its request's echo, the answer it
+    # continued, and what its stream showed beyond the text
+    """
+    CREATE TABLE responses (
+        answer_id TEXT PRIMARY KEY REFERENCES messages (id) ON DELETE CASCADE,
+        previous_id TEXT,
+        request JSONB NOT NULL,
+        outcome JSONB
+    );
     """,
 )
 
@@ -514,6 +525,52 @@ class PostgresStore(Store):
             chat_id,
         )
         return [_message(row) for row in rows]
+
+    @mapped
+    async def delete_turn(self, answer_id: str) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                "DELETE FROM messages WHERE id = $1 AND role = 'assistant'"
+                " RETURNING chat_id, reply_to",
+                answer_id,
+            )
+            if row is None:
+                return False
+            chat_id, question_id = row
+            if question_id is not None:
+                await conn.execute("DELETE FROM messages WHERE id = $1", question_id)
+            # the chat's files go with it (ON DELETE CASCADE)
+            await conn.execute(
+                "DELETE FROM chats WHERE id = $1"
+                " AND NOT EXISTS (SELECT 1 FROM messages WHERE chat_id = $1)",
+                chat_id,
+            )
+            return True
+
+    @mapped
+    async def add_response(self, response: StoredResponse) -> None:
+        await self.pool.execute(
+            "INSERT INTO responses (answer_id, previous_id, request, outcome)"
+            " VALUES ($1, $2, $3, $4)",
+            response.answer_id,
+            response.previous,
+            response.request,
+            response.outcome,
+        )
+
+    @mapped
+    async def end_response(self, answer_id: str, outcome: list[dict[str, Any]]) -> None:
+        await self.pool.execute(
+            "UPDATE responses SET outcome = $1 WHERE answer_id = $2", outcome, answer_id
+        )
+
+    @mapped
+    async def get_response(self, answer_id: str) -> StoredResponse | None:
+        row = await self.pool.fetchrow(
+            "SELECT answer_id, previous_id, request, outcome FROM responses WHERE answer_id = $1",
+            answer_id,
+        )
+        return StoredResponse(row[0], row[2], row[1], row[3]) if row else None
 
     @mapped
     async def streaming_answers(

@@ -51,6 +51,7 @@ from .base import (
     Store,
     StoredChunk,
     StoredMessage,
+    StoredResponse,
     Usage,
     account_change_sql,
     account_from_row,
@@ -282,6 +283,16 @@ MIGRATIONS = (
         FROM messages m JOIN chats c ON c.id = m.chat_id
         WHERE m.role = 'assistant' AND m.model IS NOT NULL
         GROUP BY c.user_id, CAST(m.created_at / 86400 AS INTEGER);
+    """,
+    # 10: what a Responses API answer keeps beside it: its request's echo, the answer it
+    # continued, and what its stream showed beyond the text (JSON)
+    """
+    CREATE TABLE responses (
+        answer_id TEXT PRIMARY KEY REFERENCES messages (id) ON DELETE CASCADE,
+        previous_id TEXT,
+        request TEXT NOT NULL,
+        outcome TEXT
+    );
     """,
 )
 
@@ -576,6 +587,62 @@ class SQLiteStore(Store):
             (chat_id,),
         )
         return [_message(row) for row in rows]
+
+    @mapped
+    async def delete_turn(self, answer_id: str) -> bool:
+        async with self._transaction() as db:
+            rows = await db.execute_fetchall(
+                "SELECT chat_id, reply_to FROM messages WHERE id = ? AND role = 'assistant'",
+                (answer_id,),
+            )
+            if not rows:
+                return False
+            chat_id, question_id = list(rows)[0]
+            await db.execute(
+                "DELETE FROM messages WHERE id IN (?, ?)", (answer_id, question_id or answer_id)
+            )
+            left = await db.execute_fetchall(
+                "SELECT 1 FROM messages WHERE chat_id = ? LIMIT 1", (chat_id,)
+            )
+            if not list(left):
+                await db.execute("DELETE FROM chat_files WHERE chat_id = ?", (chat_id,))
+                await db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+            return True
+
+    @mapped
+    async def add_response(self, response: StoredResponse) -> None:
+        await self._write(
+            "INSERT INTO responses (answer_id, previous_id, request, outcome) VALUES (?, ?, ?, ?)",
+            (
+                response.answer_id,
+                response.previous,
+                orjson.dumps(response.request).decode(),
+                None if response.outcome is None else orjson.dumps(response.outcome).decode(),
+            ),
+        )
+
+    @mapped
+    async def end_response(self, answer_id: str, outcome: list[dict[str, Any]]) -> None:
+        await self._write(
+            "UPDATE responses SET outcome = ? WHERE answer_id = ?",
+            (orjson.dumps(outcome).decode(), answer_id),
+        )
+
+    @mapped
+    async def get_response(self, answer_id: str) -> StoredResponse | None:
+        rows = await self._rows(
+            "SELECT answer_id, previous_id, request, outcome FROM responses WHERE answer_id = ?",
+            (answer_id,),
+        )
+        if not rows:
+            return None
+        answer, previous, request, outcome = rows[0]
+        return StoredResponse(
+            answer,
+            orjson.loads(request),
+            previous,
+            orjson.loads(outcome) if outcome is not None else None,
+        )
 
     @mapped
     async def streaming_answers(

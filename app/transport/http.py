@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..auth import Auth
-from ..errors import AppError, BadRequest, Unauthorized
+from ..errors import AppError, BadRequest, Unauthorized, UnknownModel
 from ..identity import User
 from ..identity.resolver import SAFE_METHODS, Identity
 from ..protocol import ChatRequest, error_body, is_number, loads, parse_id
@@ -45,7 +45,7 @@ ERROR_TYPES = {
     "BAD_REQUEST": ("invalid_request_error", None),
     "UNAUTHORIZED": ("invalid_request_error", "invalid_api_key"),
     "FORBIDDEN": ("permission_error", None),
-    "NOT_FOUND": ("invalid_request_error", "model_not_found"),
+    "NOT_FOUND": ("invalid_request_error", None),
     "RATE_LIMITED": ("rate_limit_error", "rate_limit_exceeded"),
     "CONFIG_ERROR": ("server_error", "not_configured"),
     "CHAT_ERROR": ("api_error", "upstream_unreachable"),
@@ -58,6 +58,8 @@ ERROR_TYPES = {
 def openai_error(exc: AppError) -> JSONResponse:
     """An error in OpenAI's shape, with its HTTP status (and `Retry-After`)."""
     kind, code = ERROR_TYPES.get(exc.key, ("server_error", None))
+    if isinstance(exc, UnknownModel):
+        code = "model_not_found"
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     body = {"error": {"message": exc.message, "type": kind, "code": code}}
     return JSONResponse(body, status_code=exc.status, headers=headers)

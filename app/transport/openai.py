@@ -27,10 +27,10 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..chat.modes import MODES
+from ..chat.modes import MODES, ResearchSources
 from ..chat.service import ChatService
 from ..config import Settings
-from ..errors import AppError, BadRequest, NotFound
+from ..errors import AppError, BadRequest, UnknownModel
 from ..events import FOCUS_MODES, Event, Handle
 from ..protocol import (
     OPTIMIZATION_MODES,
@@ -154,7 +154,7 @@ def parse_model(body: Any) -> tuple[str, str, dict[str, Any]]:
         collections = (*collections, parse_id(optimization, "model's collection id"))
         focus, optimization, copilot = "webSearch", "", False
     elif model not in model_ids() or focus not in FOCUS_MODES:
-        raise NotFound(f"the model {model!r} does not exist: see GET /v1/models")
+        raise UnknownModel(f"the model {model!r} does not exist: see GET /v1/models")
     fields = {"collections": tuple(dict.fromkeys(collections)), "copilot_enabled": copilot}
     return focus, optimization, fields
 
@@ -274,24 +274,43 @@ def search_parameters(body: dict[str, Any], focus: str) -> dict[str, Any]:
     )
     if search is not None:
         fields["search"] = search
-    mode = params.get("search_mode", "web")
-    if mode not in ("web", "academic"):
+    mode = params.get("search_mode")
+    if mode not in (None, "web", "academic"):
         raise BadRequest("search_mode must be web or academic")
-    if mode == "academic" and focus == "webSearch":
-        fields["focus_mode"] = "academicSearch"
+    if mode == "academic":
+        fields.update(academic(focus))
     for name, field in (
         ("disable_search", None),
         ("return_images", "images"),
         ("return_related_questions", "related"),
     ):
-        value = params.get(name, False)
+        value = params.get(name)
+        if value is None:  # null is absent, as for stream and store
+            value = False
         if not isinstance(value, bool):
             raise BadRequest(f"{name} must be true or false")
         if field is not None:
             fields[field] = value
         elif value:
+            if isinstance(MODES[focus].sources, ResearchSources):
+                raise BadRequest(f"{focus} always searches: disable_search needs another model")
             fields["copilot_enabled"] = False
     return fields
+
+
+def academic(focus: str) -> dict[str, Any]:
+    """`search_mode: academic` as the chat request's fields: webSearch becomes the
+    academicSearch mode, deepResearch keeps to scholarly sources (`sources`), and
+    academicSearch is so already; `BadRequest` for a mode kept to other sources or one
+    that does not search."""
+    if focus == "webSearch":
+        return {"focus_mode": "academicSearch"}
+    if focus == "deepResearch":
+        return {"sources": ("academic",)}
+    if focus == "academicSearch":
+        return {}
+    what = "does not search" if MODES[focus].sources is None else "searches other sources"
+    raise BadRequest(f"search_mode academic: the model {focus!r} {what}")
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -411,6 +430,13 @@ def searched(progress: dict[str, Any]) -> int:
     )
 
 
+def noted(progress: dict[str, Any]) -> bool:
+    """Whether a `progress` event is a note of what a search could not do (a filter its
+    provider cannot apply, PROTOCOL §10), which every answer shows."""
+    step = progress.get("step")
+    return isinstance(step, dict) and bool(step.get("note"))
+
+
 def asked_for(end: dict[str, Any]) -> dict[str, Any]:
     """What a `messageEnd` carries because the request asked for it: `images` and
     `related_questions`, as Perplexity names them."""
@@ -492,6 +518,8 @@ async def _collect(service: ChatService, handle: Handle) -> dict[str, Any]:
                 answer["sources"] = perplexity_sources(event.data.get("data", []))
             elif event.type == "progress":
                 answer["searches"] += searched(event.data)
+                if noted(event.data):  # what a search could not do is never dropped
+                    reasoning.append(event.data.get("data", "") + "\n")
             elif event.type == "messageEnd":
                 answer["usage"] = event.data.get("usage")
                 answer["end"] = event.data

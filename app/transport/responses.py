@@ -2,22 +2,31 @@
 /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`.
 
 A response is a generation of the one chat service, as a chat completion is: the
-same models, search parameters and errors (§10). Its id is `resp_<answerId>`, so the
-answer is all there is to keep: `GET` follows the generation's log while it is kept
-and the stored answer after. `ResponseState` is the I/O-free part: it turns a
-generation's events into the Responses stream events, numbered from 0, and says what
-the `response` object is at any point. Since it is a pure function of the events, a
-client that lost its stream gets the same numbers again from any process
-(`?stream=true&starting_after=N`), which is our resume.
+same models, search parameters and errors (§10). Its id is `resp_<answerId>`.
+Beside the answer, the store keeps what the request said that the response echoes
+(model, instructions, metadata, …), the response it continued, and once it has
+ended what its stream showed beyond the answer's text (its searches, its usage,
+images and related questions): `GET` follows the generation's log while it is kept,
+and builds the same response from the stored answer after. `ResponseState` is the
+I/O-free part: it turns a generation's events into the Responses stream events,
+numbered from 0, and says what the `response` object is at any point. Since it is a
+pure function of the events, a client that lost its stream gets the same numbers
+again from any process (`?stream=true&starting_after=N`), which is our resume.
 
 A streaming client that goes away stops a foreground response, as on
 `/v1/chat/completions`; a `background` one runs on until it ends or is cancelled.
+
+With auth off, whom a response belongs to is the `userId` the request names (in the
+body of the POST, as `?userId=` on the others), else user "0" (PROTOCOL §7); OpenAI's
+`user` is a label that is echoed, not an identity — the SDKs' `retrieve`, `cancel`
+and `delete` could not send it back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -28,15 +37,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..chat.history import HISTORY_MESSAGES
 from ..chat.service import ChatService
 from ..config import Settings
-from ..errors import AppError, BadRequest, NotFound
+from ..errors import AppError, BadRequest, Conflict, NotFound
 from ..events import Event, Handle
 from ..protocol import ChatRequest, Encoder, Events, parse_id
-from ..store import StoredMessage
-from .http import count_request, openai_errors, rate_key, read_json
+from ..store import Chat, StoredMessage, StoredResponse
+from .http import client_identity, count_request, openai_errors, rate_key, read_json
 from .openai import (
-    api_user,
     conversation,
     event_stream,
     parse_model,
@@ -45,6 +54,8 @@ from .openai import (
     searched,
     while_connected,
 )
+
+log = logging.getLogger("app.responses")
 
 #: a `[N]` citation marker in an answer
 MARKER = re.compile(r"\[(\d{1,3})\]")
@@ -56,7 +67,7 @@ CANCEL_WAIT_SECONDS = 10.0
 
 @dataclass(frozen=True, slots=True)
 class ResponseRequest:
-    """What a response echoes of its request."""
+    """What a response echoes of its request (kept with its answer, `to_json`)."""
 
     model: str
     instructions: str | None = None
@@ -67,6 +78,33 @@ class ResponseRequest:
     user: str | None = None
     created_at: int = 0
     include: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "instructions": self.instructions,
+            "metadata": self.metadata,
+            "previous_response_id": self.previous_response_id,
+            "store": self.store,
+            "background": self.background,
+            "user": self.user,
+            "created_at": self.created_at,
+            "include": list(self.include),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResponseRequest:
+        return cls(
+            model=str(data.get("model") or ""),
+            instructions=data.get("instructions"),
+            metadata=dict(data.get("metadata") or {}),
+            previous_response_id=data.get("previous_response_id"),
+            store=data.get("store") is not False,
+            background=data.get("background") is True,
+            user=data.get("user"),
+            created_at=int(data.get("created_at") or 0),
+            include=tuple(data.get("include") or ()),
+        )
 
 
 def response_id(answer_id: str) -> str:
@@ -89,8 +127,10 @@ def _missing(rid: str) -> NotFound:
 
 def citations_in(text: str, sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One `url_citation` per `[N]` marker of `text` that names a source: `start_index`
-    and `end_index` the marker's offsets (in characters), `url` and `title` the N-th
-    source's."""
+    and `end_index` the marker's offsets in code points (what Python's `str` indexes,
+    so `text[start_index:end_index]` is the marker in the Python SDK; a JavaScript
+    client counting UTF-16 units differs after a character outside the BMP), `url` and
+    `title` the N-th source's."""
     found = []
     for match in MARKER.finditer(text):
         n = int(match.group(1))
@@ -106,6 +146,35 @@ def citations_in(text: str, sources: list[dict[str, Any]]) -> list[dict[str, Any
                 }
             )
     return found
+
+
+def web_sources(sources: list[dict[str, Any]]) -> list[str]:
+    """The URLs of an answer's web pages (not its files' or collections' passages)."""
+    urls = []
+    for source in sources:
+        meta = source.get("metadata", {})
+        url = meta.get("url", "")
+        if url.startswith(("http://", "https://")) and not (
+            meta.get("fileId") or meta.get("collectionId")
+        ):
+            urls.append(url)
+    return urls
+
+
+def _search_step(data: dict[str, Any]) -> dict[str, Any] | None:
+    step = data.get("step")
+    return step if isinstance(step, dict) and step.get("kind") == "search" else None
+
+
+def outcome_of(events: Sequence[Event]) -> list[dict[str, Any]]:
+    """What a response's stream showed that its stored answer does not hold, to be
+    kept with it: its search steps and their notes, and its terminal event (status,
+    usage, images, related questions; or the error)."""
+    return [
+        {"type": e.type, "data": e.data}
+        for e in events
+        if e.terminal or (e.type == "progress" and _search_step(e.data) is not None)
+    ]
 
 
 class ResponseState:
@@ -166,11 +235,15 @@ class ResponseState:
         return body
 
     def _shown(self, item: dict[str, Any]) -> dict[str, Any]:
-        """An output item as the response shows it: a search's sources when `include`
-        asks for `web_search_call.action.sources`."""
+        """An output item as the response shows it: with `include` asking for
+        `web_search_call.action.sources`, a search lists the web pages the answer's
+        searches found and kept. A search step says how many results it found, not
+        which, so every search lists them all; and they are known only once all the
+        searches have ended, so the streamed `output_item.done` of a search has none
+        (the final `response` has them)."""
         if item["type"] != "web_search_call" or SEARCH_SOURCES not in self.asked.include:
             return dict(item)
-        urls = [{"type": "url", "url": s.get("metadata", {}).get("url", "")} for s in self.sources]
+        urls = [{"type": "url", "url": url} for url in web_sources(self.sources)]
         return {**item, "action": {**item["action"], "sources": urls}}
 
     # -- events ---------------------------------------------------------------------------
@@ -213,9 +286,11 @@ class ResponseState:
         return self._event("response.output_item.done", output_index=index, item=item)
 
     def _step(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        step = data.get("step")
-        if not isinstance(step, dict) or step.get("kind") != "search":
+        step = _search_step(data)
+        if step is None:
             return []
+        if step.get("note"):
+            return self._note(str(step["note"]))
         index = self._steps.get(str(step.get("id")))
         ref: dict[str, Any] = {"output_index": index, "item_id": ""}
         if step.get("status") == "running" and index is None:
@@ -243,6 +318,25 @@ class ResponseState:
         return [
             self._event("response.web_search_call.completed", **ref),
             self._done(index, status=status),
+        ]
+
+    def _note(self, text: str) -> list[dict[str, Any]]:
+        """What a search could not do (a filter its provider cannot apply): a reasoning
+        item of its own, so that every client shows it (PROTOCOL §10: never dropped
+        silently)."""
+        out = self._promote()
+        item = {"type": "reasoning", "id": f"rs_{self.answer_id}_{len(self.output)}", "summary": []}
+        index, added = self._added(item)
+        ref = {"item_id": item["id"], "output_index": index, "summary_index": 0}
+        part = {"type": "summary_text", "text": text}
+        return [
+            *out,
+            added,
+            self._event("response.reasoning_summary_part.added", **ref, part={**part, "text": ""}),
+            self._event("response.reasoning_summary_text.delta", **ref, delta=text),
+            self._event("response.reasoning_summary_text.done", **ref, text=text),
+            self._event("response.reasoning_summary_part.done", **ref, part=part),
+            self._done(index, summary=[part]),
         ]
 
     def _promote(self) -> list[dict[str, Any]]:
@@ -343,6 +437,7 @@ class ResponseState:
     def _end(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         cancelled = data.get("status") == "cancelled"
         out = [
+            *self._promote(),
             *self._end_reasoning(),
             *self._close_message("incomplete" if cancelled else "completed"),
         ]
@@ -356,7 +451,7 @@ class ResponseState:
         return [*out, self._event(kind, response=self.response())]
 
     def _fail(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self._end_reasoning()
+        out = [*self._promote(), *self._end_reasoning()]
         if self._message is not None:
             out += self._close_message("incomplete")
         self.status = "failed"
@@ -454,6 +549,8 @@ def parse_response_request(body: Any, settings: Settings) -> tuple[ChatRequest, 
         if not isinstance(value, bool):
             raise BadRequest(f"{name} must be true or false")
         flags[name] = value
+    if flags["background"] and not flags["store"]:
+        raise BadRequest("background responses must be stored: store cannot be false")
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise BadRequest("include must be a list of strings")
@@ -495,17 +592,24 @@ async def create(request: Request) -> Response:
     service: ChatService = request.app.state.service
     body = await read_json(request, settings.limits.max_body_bytes)
     chat_request, asked = parse_response_request(body, settings)
-    user = api_user(request, asked.user)
+    user = client_identity(request, body.get("userId"))
     chat_request = replace(
         chat_request, user_id=user, cap_key=rate_key(request), host=request.headers.get("host", "")
     )
+    previous = None
     if asked.previous_response_id is not None:
-        chat_request = await _continued(service, chat_request, asked.previous_response_id, user)
+        chat_request, previous = await _continued(
+            service, chat_request, asked.previous_response_id, user
+        )
     await count_request(request)
     handle = await service.start(chat_request)
     state = ResponseState(handle.answer_id, asked)
-    if not asked.store:
-        service.chores.spawn(_forget(service, handle), name=f"forget-{handle.answer_id}")
+    kept = StoredResponse(handle.answer_id, asked.to_json(), previous)
+    try:
+        await service.store.add_response(kept)
+    except AppError as exc:  # the answer runs and is saved: only the echo is lost
+        log.warning("response %s: its request was not kept (%s)", state.id, exc.message)
+    service.chores.spawn(_settle(service, handle, asked.store), name=f"settle-{handle.answer_id}")
     if body.get("stream") is True:
         return _stream(request, service, handle, state, stop_on_disconnect=not asked.background)
     if asked.background:
@@ -516,26 +620,66 @@ async def create(request: Request) -> Response:
 
 async def _continued(
     service: ChatService, request: ChatRequest, previous: str, user: str
-) -> ChatRequest:
-    """The request as the next turn of the chat behind `previous` (the user's own:
-    `NotFound` otherwise, as for a response that does not exist)."""
-    answer = await service.store.get_message(answer_of(previous))
+) -> tuple[ChatRequest, str]:
+    """The request as the next turn after the response `previous` (the user's own:
+    `NotFound` otherwise, as for a response that does not exist), in its chat, with the
+    conversation that led to it as history (`thread`) — so a `previous` that is not the
+    chat's newest answer branches from there, as OpenAI's do; and its answer id."""
+    answer_id = answer_of(previous)
+    answer = await service.store.get_message(answer_id)
     chat = await service.store.get_chat(answer.chat_id) if answer is not None else None
     if answer is None or answer.role != "assistant" or chat is None or chat.user_id != user:
         raise _missing(previous)
-    history = None
-    if request.history:
-        stored = await service.chat_history(chat.id, user)
-        history = (*stored, *request.history)
-    return replace(request, chat_id=chat.id, history=history)
+    given = request.history or ()
+    history = (*await thread(service, answer), *given)[-HISTORY_MESSAGES:]
+    return replace(request, chat_id=chat.id, history=history), answer_id
 
 
-async def _forget(service: ChatService, handle: Handle) -> None:
-    """`store: false`: once the response has ended, its chat is deleted."""
-    async for _ in service.relay(handle, Events()):
-        pass
-    with contextlib.suppress(AppError):
-        await service.delete_chat(handle.chat_id, handle.user_id)
+async def thread(service: ChatService, answer: StoredMessage) -> list[tuple[str, str]]:
+    """The conversation up to and including `answer` (role, text), at most
+    `HISTORY_MESSAGES`: its question and itself after the conversation of the response
+    it continued, and so on back; a turn that continued none ends it, and one not made
+    here (a chat's own question) continues from the chat's messages before it."""
+    messages = await service.store.list_messages(answer.chat_id)
+    by_id = {m.id: m for m in messages}
+    turns: list[tuple[str, str]] = []
+    current: StoredMessage | None = answer
+    while current is not None and len(turns) < HISTORY_MESSAGES:
+        question = by_id.get(current.reply_to or "")
+        turns[:0] = _said(question, current)
+        kept = await service.store.get_response(current.id)
+        if kept is None:  # continues whatever came before it in the chat
+            first = (question or current).id
+            start = next((i for i, m in enumerate(messages) if m.id == first), 0)
+            turns[:0] = _said(*messages[:start])
+            break
+        current = by_id.get(kept.previous) if kept.previous else None
+    return turns[-HISTORY_MESSAGES:]
+
+
+def _said(*messages: StoredMessage | None) -> list[tuple[str, str]]:
+    """The messages a conversation shows (as `stored_history` keeps them): questions,
+    and answers that completed or were stopped, with text."""
+    return [
+        (m.role, m.content)
+        for m in messages
+        if m is not None
+        and m.content
+        and (m.role == "user" or m.status in ("completed", "cancelled"))
+    ]
+
+
+async def _settle(service: ChatService, handle: Handle, store: bool) -> None:
+    """Once the response has ended: with `store: false` its question and answer are
+    deleted (the rest of their chat stays; an empty chat goes); else what its stream
+    showed beyond the answer's text is kept with the answer (`outcome_of`)."""
+    await service.ended(handle)
+    if not store:
+        await service.store.delete_turn(handle.answer_id)
+        return
+    events = await service.hub.logged(handle.answer_id)
+    if events and events[-1].terminal:
+        await service.store.end_response(handle.answer_id, outcome_of(events))
 
 
 def _stream(
@@ -559,53 +703,72 @@ async def _feed(service: ChatService, handle: Handle, state: ResponseState) -> R
     return state
 
 
-async def _found(request: Request) -> tuple[ChatService, str, StoredMessage, str]:
-    """The service, the answer id, the stored answer and the user of a response the
-    user owns; `NotFound` for any other."""
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A response the caller owns: its answer, chat and what was kept with it."""
+
+    answer_id: str
+    answer: StoredMessage
+    chat: Chat
+    user: str
+    kept: StoredResponse | None
+
+    @property
+    def asked(self) -> ResponseRequest:
+        """What its request said (as far as it is known: an answer that was not asked
+        through this API, or whose request was not kept, shows its chat's mode)."""
+        if self.kept is not None:
+            return ResponseRequest.from_json(self.kept.request)
+        return ResponseRequest(model=self.chat.focus_mode, created_at=int(self.answer.created_at))
+
+
+async def _found(request: Request) -> tuple[ChatService, Found]:
+    """The service and a response the caller owns; `NotFound` for any other."""
     service: ChatService = request.app.state.service
     rid = request.path_params["response_id"]
     answer_id = answer_of(rid)
-    user = api_user(request, request.query_params.get("user"))
+    user = client_identity(request, request.query_params.get("userId"))
     answer = await service.store.get_message(answer_id)
     chat = await service.store.get_chat(answer.chat_id) if answer is not None else None
     if answer is None or answer.role != "assistant" or chat is None or chat.user_id != user:
         raise _missing(rid)
-    return service, answer_id, answer, user
+    kept = await service.store.get_response(answer_id)
+    return service, Found(answer_id, answer, chat, user, kept)
 
 
-def _asked(answer: StoredMessage, model: str) -> ResponseRequest:
-    return ResponseRequest(model=model, created_at=int(answer.created_at))
-
-
-async def _state(
-    service: ChatService, answer_id: str, answer: StoredMessage, model: str
-) -> ResponseState:
+async def _state(service: ChatService, found: Found) -> ResponseState:
     """The response as far as it got: from the generation's log while it is kept, else
-    from the stored answer."""
-    state = ResponseState(answer_id, _asked(answer, model))
+    from the stored answer and what was kept with it."""
+    answer_id, answer = found.answer_id, found.answer
+    state = ResponseState(answer_id, found.asked)
     state.start()
     logged = await service.hub.logged(answer_id)
     if logged:
-        for event in logged:
-            state.feed(event)
+        for logged_event in logged:
+            state.feed(logged_event)
         return state
     chat_id = answer.chat_id
-    stored = [
-        Event(
-            "sources",
-            chat_id,
-            answer_id,
-            {"data": _question_sources(await service.store.list_messages(chat_id), answer)},
-        ),
-        Event("reasoning", chat_id, answer_id, {"data": answer.reasoning}),
-        Event("message", chat_id, answer_id, {"data": answer.content}),
+
+    def event(kind: str, data: dict[str, Any]) -> Event:
+        return Event(kind, chat_id, answer_id, data)
+
+    outcome = found.kept.outcome if found.kept is not None else None
+    kept = [event(e["type"], e["data"]) for e in outcome or ()]
+    stored = [e for e in kept if not e.terminal]
+    sources = _question_sources(await service.store.list_messages(chat_id), answer)
+    stored += [
+        event("sources", {"data": sources}),
+        event("reasoning", {"data": answer.reasoning}),
+        event("message", {"data": answer.content}),
     ]
-    if answer.status == "failed":
-        stored.append(Event("error", chat_id, answer_id, answer.error or {}))
+    if kept and kept[-1].terminal:
+        stored.append(kept[-1])
+    elif answer.status == "failed":
+        stored.append(event("error", answer.error or {}))
     elif answer.status != "streaming":
-        stored.append(Event("messageEnd", chat_id, answer_id, {"status": answer.status}))
-    for event in stored:
-        state.feed(event)
+        stored.append(event("messageEnd", {"status": answer.status}))
+    for each in stored:
+        state.feed(each)
     return state
 
 
@@ -614,37 +777,35 @@ def _question_sources(messages: list[StoredMessage], answer: StoredMessage) -> l
     return question.sources if question is not None else []
 
 
-async def _model(service: ChatService, answer: StoredMessage) -> str:
-    chat = await service.store.get_chat(answer.chat_id)
-    return chat.focus_mode if chat is not None else "webSearch"
-
-
 @openai_errors
 async def retrieve(request: Request) -> Response:
     """`GET /v1/responses/{id}`; `?stream=true&starting_after=N` follows it from event
     N+1 (from any process, while its events are kept)."""
-    service, answer_id, answer, _ = await _found(request)
-    model = await _model(service, answer)
+    service, found = await _found(request)
     params = request.query_params
     if params.get("stream") == "true":
         after = params.get("starting_after", "-1")
         if not re.fullmatch(r"-?[0-9]{1,9}", after):
             raise BadRequest("starting_after must be a sequence number")
-        handle = await service.hub.find(answer_id)
+        handle = await service.hub.find(found.answer_id)
         if handle is None:
             raise NotFound("this response's events are no longer kept: GET it without stream")
-        state = ResponseState(answer_id, _asked(answer, model))
+        state = ResponseState(found.answer_id, found.asked)
         return _stream(request, service, handle, state, stop_on_disconnect=False, after=int(after))
-    return JSONResponse((await _state(service, answer_id, answer, model)).response())
+    return JSONResponse((await _state(service, found)).response())
 
 
 @openai_errors
 async def delete(request: Request) -> Response:
-    """`DELETE /v1/responses/{id}`: the response and the chat it is in."""
-    service, answer_id, answer, user = await _found(request)
-    await service.delete_chat(answer.chat_id, user)
+    """`DELETE /v1/responses/{id}`: the response's answer and its question (the rest of
+    their chat stays; an empty chat goes). `Conflict` while it runs."""
+    service, found = await _found(request)
+    handle = await service.hub.lookup(found.chat.id)
+    if handle is not None and handle.answer_id == found.answer_id:
+        raise Conflict("this response is running: cancel it first")
+    await service.store.delete_turn(found.answer_id)
     return JSONResponse(
-        {"id": response_id(answer_id), "object": "response.deleted", "deleted": True}
+        {"id": response_id(found.answer_id), "object": "response.deleted", "deleted": True}
     )
 
 
@@ -652,14 +813,13 @@ async def delete(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     """`POST /v1/responses/{id}/cancel`: stops it wherever it runs, and answers the
     response once it has ended (or as it is, after `CANCEL_WAIT_SECONDS`)."""
-    service, answer_id, answer, user = await _found(request)
-    handle = await service.hub.lookup(answer.chat_id)
-    if handle is not None and handle.answer_id == answer_id:
-        await service.cancel(answer.chat_id, user)
+    service, found = await _found(request)
+    handle = await service.hub.lookup(found.chat.id)
+    if handle is not None and handle.answer_id == found.answer_id:
+        await service.cancel(found.chat.id, found.user)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CANCEL_WAIT_SECONDS):
                 async for _ in service.relay(handle, Events()):
                     pass
-    model = await _model(service, answer)
-    fresh = await service.store.get_message(answer_id) or answer
-    return JSONResponse((await _state(service, answer_id, fresh, model)).response())
+    fresh = await service.store.get_message(found.answer_id) or found.answer
+    return JSONResponse((await _state(service, replace(found, answer=fresh))).response())

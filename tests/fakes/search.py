@@ -187,6 +187,7 @@ class FakeSearch:
                     "url": f"{self.base_url}/pages/{n}",
                     "img_src": self.image_url(n),
                     "thumbnail_src": self.image_url(n),
+                    "resolution": f"{640 + n}x{480 + n}",
                     "engine": "fake images",
                 }
                 for n in range(6)
@@ -233,13 +234,23 @@ class FakeSearch:
                 {
                     "title": f"Image {n}",
                     "link": self.image_url(n),
-                    "image": {"contextLink": f"{self.base_url}/pages/{n}"},
+                    "image": {
+                        "contextLink": f"{self.base_url}/pages/{n}",
+                        "width": 800 + n,
+                        "height": 600 + n,
+                    },
                 }
                 for n in range(5)
             ]
             return JSONResponse({"items": images})
         items = [
-            {"title": r["title"], "link": r["url"], "snippet": r["snippet"]} for r in self.results()
+            {"title": r["title"], "link": r["url"], "snippet": r["snippet"]}
+            | (
+                {"pagemap": {"metatags": [{"article:published_time": r["date"]}]}}
+                if "date" in r
+                else {}
+            )
+            for r in self.results()
         ]
         body: dict[str, Any] = {"kind": "customsearch#search"}
         if items:
