@@ -127,7 +127,8 @@ class ResearchSettings:
     sub_questions: int = 3
     pages_per_question: int = 3
     #: the research agent's budget per optimization mode (PROTOCOL §1, §8): rounds of
-    #: tool calls and wall-clock seconds; `speed` is one search, no model call
+    #: tool calls and wall-clock seconds; a budget of one round (`speed`'s) is one
+    #: search and no model call
     speed_rounds: int = 1
     balanced_rounds: int = 6
     quality_rounds: int = 25

@@ -77,6 +77,10 @@ class ToolsUnsupported(StreamError):
     """The model (or the server in front of it) refused a request with `tools`."""
 
 
+class ContextTooLong(StreamError):
+    """The model refused a request as longer than its context window (a 400)."""
+
+
 class ChatModel(Protocol):
     """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
     model (`app.demo`), chosen by `llm.base_url` (`open_model`)."""
@@ -130,6 +134,8 @@ class LLMClient:
         self.host = urlsplit(settings.base_url).hostname or ""
         #: models seen to leave the opening `<think>` out (for this process)
         self.open_left_out: set[str] = set()
+        #: models seen to reason (for this process): their short calls get room for it
+        self.reasoners: set[str] = set()
         self._client: openai.AsyncOpenAI | None = None
         self._streaming: StreamingClient | None = None
         if settings.api_key:
@@ -210,12 +216,23 @@ class LLMClient:
             raise StreamError("the model sent an empty answer")
         for delta in splitter.flush():
             yield delta
-        if splitter.lone_close and name not in self.open_left_out:
+        self._learn(name, lone_close=splitter.lone_close, reasoned=splitter.tagged)
+
+    def _learn(self, name: str, *, lone_close: bool, reasoned: bool) -> None:
+        """Remember what a model's answer showed of it: that it leaves the opening
+        `<think>` out (its next answers are split from their start), that it reasons."""
+        if lone_close and name not in self.open_left_out:
             log.info(
                 "model %s leaves the opening <think> out: its answers are split from their start",
                 name,
             )
             self.open_left_out.add(name)
+        if (reasoned or lone_close) and name not in self.reasoners:
+            self.reasoners.add(name)
+
+    def reasons(self, name: str) -> bool:
+        """Whether `name` is a reasoning model: its name says so, or it was seen to."""
+        return name in self.reasoners or bool(REASONING.search(name))
 
     @contextlib.asynccontextmanager
     async def _open_stream(
@@ -256,24 +273,30 @@ class LLMClient:
         max_tokens: int | None = None,
         timeout: float = 60.0,
     ) -> str:
-        """One non-streaming completion (rewrite, title, ranking, suggestions)."""
+        """One non-streaming completion (rewrite, title, ranking, suggestions): its text,
+        without its reasoning — `<think>…</think>`, or everything up to a lone
+        `</think>` (a template that leaves the opening tag out, as `stream` splits it).
+        A reasoning model's reasoning counts against `max_tokens`: it is given
+        `REASONING_TOKENS` more, so that a short answer is not left empty."""
         client = self._require()
+        name = model or self.settings.effective_small_model
         with model_errors("model", self.host):
             async with asyncio.timeout(timeout):
-                request: dict[str, Any] = {
-                    "model": model or self.settings.effective_small_model,
-                    "messages": list(messages),
-                }
+                request: dict[str, Any] = {"model": name, "messages": list(messages)}
                 if max_tokens:
-                    request["max_tokens"] = max_tokens
+                    extra = REASONING_TOKENS if self.reasons(name) else 0
+                    request["max_tokens"] = max_tokens + extra
                 response = await _post_chat(client, request, stream=False)
                 body = orjson.loads(await response.aread())
         try:
             message = body["choices"][0]["message"]
             text = message.get("content") or ""
+            apart = bool(message.get("reasoning_content") or message.get("reasoning"))
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise StreamError("the model's answer has no choices[0].message") from exc
-        return strip_think(text).strip()
+        reasoning, content, lone = split_think(text)
+        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
+        return content.strip()
 
     async def tool_turn(
         self,
@@ -286,8 +309,9 @@ class LLMClient:
         quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
         `index`, several calls in one answer) are put together as they come."""
         client = self._require()
+        name = model or self.settings.model
         body = {
-            "model": model or self.settings.model,
+            "model": name,
             "messages": list(messages),
             "tools": list(tools),
             "tool_choice": "auto",
@@ -310,11 +334,22 @@ class LLMClient:
                     await response.aclose()
         except StreamError as exc:
             cause = exc.__cause__
-            if isinstance(cause, openai.APIStatusError) and _refuses_tools(cause):
+            if (
+                isinstance(cause, openai.APIStatusError)
+                and not isinstance(exc, ContextTooLong)
+                and refuses_tools(cause.status_code, _status_detail(cause))
+            ):
                 raise ToolsUnsupported("the model does not take tools") from exc
             raise
-        text = strip_think("".join(content)).strip()
-        return ToolTurn(text, tuple(ToolCall(*parts) for _, parts in sorted(calls.items())))
+        reasoning, text, lone = split_think("".join(content))
+        self._learn(name, lone_close=lone, reasoned=bool(reasoning))
+        # every call has an id, unique in its turn: the tool answers sent back name it
+        made, seen = [], set()
+        for index, (call_id, function, arguments) in sorted(calls.items()):
+            call_id = call_id if call_id and call_id not in seen else f"call-{index}"
+            seen.add(call_id)
+            made.append(ToolCall(call_id, function, arguments))
+        return ToolTurn(text.strip(), tuple(made))
 
     async def probe(self) -> str | None:
         """Ask the model server for its models (`GET /models`): any answer but a
@@ -477,13 +512,44 @@ def _tool_delta(payload: bytes, content: list[str], calls: dict[int, list[str]])
         raise StreamError("the model sent a malformed chunk") from exc
 
 
-def _refuses_tools(exc: openai.APIStatusError) -> bool:
-    """Whether a 4xx answer is about `tools` (a model or server without tool calling:
-    "does not support tools", "tool_choice is not supported", "unknown field tools")."""
-    if exc.status_code not in (400, 404, 422, 501):
+#: how servers say they take no tools: "does not support tools", "tool_choice is not
+#: supported", "unknown field `tools`", "tools param requires --jinja", "\"auto\" tool
+#: choice requires --enable-auto-tool-choice", "does not support Function Calling"
+_TOOL_WORD = (
+    r"(?<![\w.])(?:tools|tool[ _]choice|tool[ _]use|tool[ _]calling|tool|function[ _]calling)"
+    r"(?!\w)"
+)
+_REFUSAL_WORD = (
+    r"(?:\b(?:not|unsupported|unknown|unrecogni[sz]ed|requires?|disabled|unavailable)\b|n't\b)"
+)
+_NO_TOOLS = re.compile(
+    rf"(?i){_TOOL_WORD}\W+(?:\S+\W+){{0,6}}?{_REFUSAL_WORD}"
+    rf"|{_REFUSAL_WORD}\W+(?:\S+\W+){{0,6}}?{_TOOL_WORD}"
+)
+#: errors that name tools but are about a request's messages, not about tools at all
+_NOT_ABOUT_TOOLS = re.compile(r"(?i)tool_call|role ['\"]?tool|tool message")
+#: how servers say a request is longer than the model's window
+_CONTEXT_EXCEEDED = re.compile(
+    r"(?i)context[ _]length|context[ _]window|maximum context|too many tokens|prompt is too long"
+    r"|input is too long|exceeds? the (?:model'?s? )?(?:context|maximum)"
+)
+
+
+def refuses_tools(status: int, detail: str) -> bool:
+    """Whether a 4xx answer says the model or its server takes no `tools` ("does not
+    support tools", "tool_choice is not supported", "unknown field tools"). An error
+    about the request's size, or about its tool messages (a `tool_call_id` that does
+    not match), is not such an answer, though it names tools or functions."""
+    if status not in (400, 404, 422, 501):
         return False
-    detail = _status_detail(exc).lower()
-    return "tool" in detail or "function" in detail
+    if context_exceeded(detail) or _NOT_ABOUT_TOOLS.search(detail):
+        return False
+    return bool(_NO_TOOLS.search(detail))
+
+
+def context_exceeded(detail: str) -> bool:
+    """Whether a model's error text says the request is longer than its window."""
+    return bool(_CONTEXT_EXCEEDED.search(detail))
 
 
 def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
@@ -534,6 +600,7 @@ def model_errors(what: str, host: str = "") -> Iterator[None]:
         yield
     except openai.APIStatusError as exc:
         detail = _status_detail(exc)
+        too_long = exc.status_code in (400, 413, 422) and context_exceeded(detail)
         log.warning(
             "the %s answered %d",
             what,
@@ -542,6 +609,10 @@ def model_errors(what: str, host: str = "") -> Iterator[None]:
                 "fields": {"modelHost": host, "status": exc.status_code, "detail": redact(detail)}
             },
         )
+        if too_long:
+            raise ContextTooLong(
+                f"the {what} refused the request as longer than its context window"
+            ) from exc
         raise StreamError(_status_message(what, exc.status_code)) from exc
     except (TimeoutError, openai.APITimeoutError, openai.APIConnectionError) as exc:
         cause = connection_cause(exc)
@@ -681,12 +752,17 @@ def _is_transport_error(exc: BaseException) -> bool:
 class ThinkSplitter:
     """Splits `<think>…</think>` out of content chunks, tags cut across chunks included.
 
-    Some templates (DeepSeek-R1's, served by llama.cpp or vLLM) leave the opening tag
-    out: the content begins with reasoning and has a lone `</think>`. With
-    `assume_open` (a model known to do so) the content starts as reasoning; without it,
-    a lone `</think>` is taken out of the text and reported (`lone_close`) so that the
-    model's next answers are split from their start. A model that sends its reasoning
-    apart (`reasoning_content`) is not assumed anything of (`reasoning_apart`)."""
+    Some templates (DeepSeek-R1's, served by llama.cpp or vLLM; Qwen3's thinking
+    models) leave the opening tag out: the content begins with reasoning and has a
+    lone `</think>`. With `assume_open` (a model known to do so) the content starts as
+    reasoning, and turns out to have been the answer only if no `</think>` comes.
+    Without it, nothing is held back — a chunk costs what it did — so the reasoning
+    before a lone `</think>` has already gone out as text when the tag comes: the tag
+    is taken out of the text and reported (`lone_close`), and the caller remembers the
+    model so that its next answers are split from their start. (Holding back every
+    answer's text until it is known to be no reasoning would hold back whole answers
+    of every model that never reasons.) A model that sends its reasoning apart
+    (`reasoning_content`) is not assumed anything of (`reasoning_apart`)."""
 
     OPEN, CLOSE = "<think>", "</think>"
 
@@ -753,7 +829,11 @@ class ThinkSplitter:
 
 
 #: model names whose template is known to leave the opening `<think>` out
-OPEN_LEFT_OUT = re.compile(r"(?i)(^|[^a-z0-9])(r1|qwq)([^a-z0-9]|$)|deepseek-r1")
+OPEN_LEFT_OUT = re.compile(r"(?i)(^|[^a-z0-9])(r1|qwq)([^a-z0-9]|$)|deepseek-r1|thinking")
+#: model names that say they reason (their reasoning counts against `max_tokens`)
+REASONING = re.compile(rf"(?i){OPEN_LEFT_OUT.pattern[4:]}|reason|think")
+#: what a reasoning model is given beyond a short call's `max_tokens`, for its reasoning
+REASONING_TOKENS = 4096
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -765,8 +845,51 @@ def _partial_suffix(text: str, tag: str) -> int:
     return len(tail) if tag.startswith(tail) else 0
 
 
-def strip_think(text: str) -> str:
-    """A whole completion without its `<think>` part (for small-model answers)."""
+def tokens_in(text: str) -> int:
+    """A cautious count of the tokens `text` makes for a model: three ASCII characters
+    a token, and every other character one (Chinese, Japanese or Korean text is about
+    a token a character in most tokenizers, often less; prose in English about four
+    characters a token). Not on the per-token path: for prompts and their parts."""
+    if text.isascii():
+        return (len(text) + 2) // 3
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    return (ascii_chars + 2) // 3 + len(text) - ascii_chars
+
+
+def cut_to_tokens(text: str, tokens: int) -> str:
+    """The longest start of `text` within `tokens` (`tokens_in`)."""
+    if tokens <= 0:
+        return ""
+    if tokens_in(text) <= tokens:
+        return text
+    low, high = tokens, min(len(text), tokens * 3)  # a character is a third of a token or more
+    while low < high:
+        middle = (low + high + 1) // 2
+        if tokens_in(text[:middle]) <= tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low]
+
+
+def split_think(text: str) -> tuple[str, str, bool]:
+    """A whole completion's (reasoning, text, whether its `</think>` was lone). Whole,
+    it can be split as a stream cannot: a lone `</think>` (its opening tag left out)
+    means that everything up to the last one is reasoning."""
+    close = text.rfind(ThinkSplitter.CLOSE)
+    if close >= 0:
+        first = text.find(ThinkSplitter.CLOSE)
+        if ThinkSplitter.OPEN not in text[:first]:
+            return text[:close], text[close + len(ThinkSplitter.CLOSE) :], True
     splitter = ThinkSplitter()
     parts = splitter.feed(text) + splitter.flush()
-    return "".join(d.text for d in parts if d.kind == "content")
+    return (
+        "".join(d.text for d in parts if d.kind == "reasoning"),
+        "".join(d.text for d in parts if d.kind == "content"),
+        False,
+    )
+
+
+def strip_think(text: str) -> str:
+    """A whole completion without its reasoning (for small-model answers)."""
+    return split_think(text)[1]

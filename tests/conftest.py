@@ -21,7 +21,7 @@ import redis
 
 from app.config import Settings
 from app.main import create_app
-from tests.fakes.model import DEFAULT_REPLIES, FakeModel
+from tests.fakes.model import FakeModel
 from tests.fakes.search import FakeSearch
 from tests.servers import ServerThread, free_port, serve, wait_for_port
 
@@ -51,17 +51,7 @@ def fake_model_server() -> Iterator[tuple[FakeModel, ServerThread]]:
 @pytest.fixture
 def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model, _ = fake_model_server
-    model.requests.clear()
-    model.streams.clear()
-    model.replies[:] = DEFAULT_REPLIES
-    model.reply_delay = 0.0
-    model.flaked.clear()
-    model.answer_text = None
-    model.tool_rounds.clear()
-    model.tool_streams.clear()
-    model.tools_refused = model.tools_ignored = False
-    model.tool_delay = 0.0
-    model.context_limit = None
+    model.reset()
     return model
 
 

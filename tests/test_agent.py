@@ -4,6 +4,7 @@ limits, cancel mid-round, and every step on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -247,6 +248,10 @@ async def test_cancel_while_searches_are_in_flight(settings, fake_model, fake_se
                 tail = await rest(stream)
     assert time.monotonic() - started < 2
     assert tail[-1].data["status"] == "cancelled"
+    # the searches' requests were closed, not left to run
+    await wait_for(_async(lambda: len(fake_search.closed) == 2))
+    assert sorted(q for _, q in fake_search.closed) == ["a", "b"]
+    assert still_running(tail) == [] and len({s["id"] for s in steps(tail, "search")}) == 2
 
 
 async def test_steps_on_every_transport_and_on_resume(settings, fake_model, fake_search):
@@ -381,3 +386,491 @@ async def test_a_recency_the_model_asks_for_reaches_the_provider(settings, fake_
     provider, body = fake_search.requests[-1]
     assert provider == "tavily" and fake_search.queries[-1][1] == "latest news"
     assert body.get("time_range") == "week" or body.get("days") == 7, body
+
+
+# -- every step ends, and every event fits -----------------------------------------------
+
+
+def still_running(events):
+    """The ids of steps that started and never ended."""
+    last = {}
+    for step in steps(events):
+        last[step["id"]] = step["status"]
+    return [i for i, status in last.items() if status == "running"]
+
+
+async def test_every_event_fits_the_limit_on_sse_and_v1(settings, fake_model, fake_search):
+    decided(fake_model)
+    long_urls = [f"{fake_search.base_url}/pages/{n}?{'x' * 2000}" for n in range(3)]
+    fake_search.extra[:] = [
+        {"title": f"big {i}", "url": f"https://example.com/{i}", "snippet": "x" * 20_000}
+        for i in range(40)
+    ]
+    limit = 6000
+    settings = settings.replace(stream={"max_event_bytes": limit}, search={"max_results": 48})
+    # one content chunk of 20,000 characters: sent in pieces
+    question = RELEVANT_QUESTION + " #tokens=2 #size=20000"
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
+            fake_model.tool_rounds[:] = [[("read_url", {"urls": long_urls})], [("done", {})]]
+            async with client.stream("POST", "/api/chat/sse", json=web(question)) as response:
+                raw = (await response.aread()).decode()
+            fake_model.tool_rounds[:] = [[("read_url", {"urls": long_urls})], [("done", {})]]
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": "webSearch:balanced",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": question}],
+                },
+            ) as response:
+                v1 = (await response.aread()).decode()
+    for body in (raw, v1):
+        blocks = [b for b in body.split("\n\n") if b.strip()]
+        assert max(len(b.encode()) for b in blocks) <= limit, max(map(len, blocks))
+    events = [orjson.loads(b.split("data: ", 1)[1]) for b in raw.split("\n\n") if "data: " in b]
+    answer = "".join(e["data"] for e in events if e["type"] == "message")
+    assert answer == "tok0 ".ljust(20000, "x") + "tok1 ".ljust(20000, "x")  # all of it
+    reads = [e["step"] for e in events if e.get("step", {}).get("kind") == "read"]
+    assert reads and all(len(orjson.dumps(s)) <= limit // 3 for s in reads)
+    assert '"citations"' in v1 and '"search_results"' in v1
+
+
+async def test_steps_cut_off_by_the_budget_end_as_failed(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_search.search_delay = 5.0
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "slow"})]] * 3
+    events = await ask(settings, web(), research={"balanced_seconds": 1.0})
+    assert events[-1].data["status"] == "completed"
+    assert still_running(events) == []
+    (search,) = [s for s in steps(events, "search") if s["status"] != "running"]
+    assert search["status"] == "failed"
+    rounds = steps(events, "round")
+    assert rounds[-1]["status"] == "failed"  # round 2: out of time, and said so as ended
+
+
+async def test_a_failing_passage_search_ends_its_step_and_is_logged(settings, caplog):
+    from app.chat.agent import Research, Researcher, Steps
+    from app.errors import AppError
+    from app.search.web import until_deadline
+
+    class Recording:
+        def __init__(self):
+            self.events = []
+
+        def emit(self, type, **data):
+            self.events.append((type, data))
+
+    async def broken(query):
+        raise RuntimeError("index missing")
+
+    async def refused(query):
+        raise AppError("the collection engine is away")
+
+    out = Recording()
+    researcher = Researcher(settings, llm=None, prompts=None, web=None, files=None)
+    loop = asyncio.get_running_loop()
+    job = Research("q", Steps(out), ("web",), None, (), None, loop.time() + 5)
+    told = await until_deadline(
+        [
+            researcher._passages(job, "collection", "collections", "q", broken),
+            researcher._passages(job, "files", "your files", "q", refused),
+        ],
+        loop.time() + 5,
+    )
+    assert told[0] is None and "failed" in told[1]
+    statuses = {}
+    for _, data in out.events:
+        statuses[data["step"]["id"]] = data["step"]["status"]
+    assert sorted(statuses.values()) == ["failed", "failed"]
+    assert any("index missing" in str(r.exc_info) for r in caplog.records if r.exc_info)
+    assert any("engine is away" in r.getMessage() for r in caplog.records)
+
+
+# -- the context window ------------------------------------------------------------------
+
+
+CJK = "燃烧甲烷的火箭发动机在高压下工作，" * 200  # 3,400 characters, about as many tokens
+
+
+async def test_a_cjk_prompt_fits_the_window_in_balanced_mode(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_search.extra[:] = [
+        {"title": f"中文 {i}", "url": f"https://example.com/zh/{i}", "snippet": CJK}
+        for i in range(8)
+    ]
+    fake_model.context_tokens = 8000
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "甲烷发动机"})], [("done", {})]]
+    events = await ask(
+        settings,
+        web(systemInstructions="Answer in Chinese. " * 100),
+        llm={"context_tokens": 8000},
+        search={"max_results": 16},
+    )
+    assert events[-1].type == "messageEnd", events[-1].data
+    sent = fake_model.streamed_requests()
+    assert len(sent) == 1  # the first prompt fitted: no retry was needed
+    system = sent[0]["messages"][0]["content"]
+    assert "https://example.com/zh/" in system and "Answer in Chinese." in system
+
+
+async def test_a_prompt_refused_as_too_long_is_sent_once_more_shorter(
+    settings, fake_model, fake_search
+):
+    fake_search.extra[:] = [
+        {"title": f"中文 {i}", "url": f"https://example.com/zh/{i}", "snippet": CJK}
+        for i in range(8)
+    ]
+    fake_model.context_tokens = 8000  # smaller than the window the server is told of
+    events = await ask(
+        settings, web(mode="speed"), llm={"context_tokens": 16000}, search={"max_results": 16}
+    )
+    assert events[-1].type == "messageEnd", events[-1].data
+    first, second = fake_model.streamed_requests()
+    sources = [
+        s["metadata"]["url"] for s in next(e for e in events if e.type == "sources").data["data"]
+    ]
+    assert sources[0] in second["messages"][0]["content"]
+    assert len(second["messages"][0]["content"]) < len(first["messages"][0]["content"]) * 0.7
+    assert [e.data["data"] for e in events if e.type == "message"][0] == ""  # said once
+
+
+# -- what the model may do -----------------------------------------------------------------
+
+
+async def test_a_site_the_model_names_stays_within_the_modes_sources(
+    settings, fake_model, fake_search
+):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [
+        [
+            ("web_search", {"query": "outside", "site": "example.com"}),
+            ("web_search", {"query": "inside", "site": "old.reddit.com"}),
+        ],
+        [("done", {})],
+    ]
+    await ask(
+        settings,
+        chat_body(RELEVANT_QUESTION, focusMode="redditSearch", optimizationMode="balanced"),
+    )
+    domains = {body["query"]: body.get("include_domains") for _, body in fake_search.requests}
+    assert domains["outside"] == ["reddit.com"]
+    assert domains["inside"] == ["old.reddit.com"]
+
+
+async def test_a_tool_call_not_offered_is_not_run(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [
+        [("launch_rockets", {"query": "secret plan"}), ("academic_search", {"query": "paper"})],
+        [("done", {})],
+    ]
+    # redditSearch: neither tool is offered
+    await ask(
+        settings,
+        chat_body(RELEVANT_QUESTION, focusMode="redditSearch", optimizationMode="balanced"),
+    )
+    assert [q for _, q in fake_search.queries] == [RELEVANT_QUESTION]  # the plain fallback
+    names = {t["function"]["name"] for t in fake_model.tool_requests()[0]["tools"]}
+    assert "academic_search" not in names
+
+
+async def test_files_as_the_only_source_without_files_never_searches_the_web(
+    settings, fake_model, fake_search
+):
+    for mode in ("speed", "balanced"):
+        events = await ask(settings, web(mode=mode, sources=["files"]))
+        assert events[-1].data["status"] == "completed"
+        assert fake_search.queries == [] and fake_model.tool_requests() == []
+        assert steps(events, "classify")[0]["skipSearch"] is True
+
+
+async def test_a_400_about_the_size_is_no_verdict_on_tools(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_error = (
+        "This model's maximum context length is 8192 tokens. However, your messages resulted "
+        "in 9000 tokens (8000 in the messages, 1000 in the functions)."
+    )
+    app = create_app(settings)
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
+            for _ in range(2):
+                events = await sse_chat(client, web())
+                assert events[-1].data["status"] == "completed"
+    assert len(fake_model.tool_requests()) == 2  # still asked with tools the second time
+    assert not any(PLAN_JSON in str(r.get("messages")) for r in fake_model.requests)
+
+
+async def test_calls_without_ids_are_answered_by_the_ids_given_them(
+    settings, fake_model, fake_search
+):
+    decided(fake_model)
+    fake_model.tool_ids_empty = True
+    fake_model.tool_rounds[:] = [
+        [("web_search", {"query": "a"}), ("web_search", {"query": "b"})],
+        [("web_search", {"query": "c"})],
+        [("done", {})],
+    ]
+    events = await ask(settings, web())
+    assert events[-1].data["status"] == "completed"
+    assert sorted(q for _, q in fake_search.queries) == ["a", "b", "c"]
+    assert len(fake_model.tool_requests()) == 3
+    assert not any(PLAN_JSON in str(r.get("messages")) for r in fake_model.requests)
+
+
+# -- pasted pages, files, collections, excluded domains --------------------------------------
+
+
+async def collection_of(client, text: bytes) -> str:
+    """A new collection of user "1" holding one document, indexed."""
+    made = await client.post("/api/collections", json={"name": "notes", "userId": "1"})
+    collection = made.json()["collection"]["id"]
+    added = await client.post(
+        f"/api/collections/{collection}/documents",
+        files=[("files", ("raptor.md", text))],
+        params={"userId": "1"},
+    )
+    progress = f"/api/collections/{collection}/imports/{added.json()['import']['id']}"
+
+    async def indexed():
+        answer = (await client.get(progress, params={"userId": "1"})).json()
+        return answer["done"] == answer["total"]
+
+    await wait_for(indexed, timeout=60)
+    return collection
+
+
+async def test_a_pasted_page_stays_first_beside_files_and_collections(
+    settings, fake_model, fake_search
+):
+    url = fake_search.base_url + "/pages/5"
+    app = create_app(settings.replace(embeddings={"model": ""}))
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as client:
+            notes = b"# Notes\n\nFalcon engines burn methane, say the notes."
+            uploaded = await client.post("/api/uploads", files={"files": ("notes.md", notes)})
+            file_id = uploaded.json()["files"][0]["fileId"]
+            collection = await collection_of(client, b"# Falcon\n\nFalcon engines burn methane.")
+            question = f"how do falcon engines burn methane, as {url} says"
+            events = await sse_chat(
+                client, web(question, mode="speed", files=[file_id], collections=[collection])
+            )
+    sources = next(e for e in events if e.type == "sources").data["data"][:-1]
+    assert sources[0]["metadata"]["url"] == url
+    assert any(s["metadata"].get("fileId") for s in sources)
+    assert any(s["metadata"].get("collectionId") for s in sources)
+    assert "source 1 " + url in fake_model.last_system_prompt()
+
+
+async def test_a_pasted_page_does_not_stop_the_mode_from_reading(settings, fake_model, fake_search):
+    url = fake_search.base_url + "/pages/5"
+    decided(fake_model, urls=[url], question=f"{RELEVANT_QUESTION} {url}")
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "methane"})], [("done", {})]]
+    await ask(settings, web(f"{RELEVANT_QUESTION} {url}"))
+    system = fake_model.last_system_prompt()
+    assert "source 1 " + url in system and "FULLTEXT-5" in system
+    assert "FULLTEXT-3" in system  # balanced read the best result, as without a pasted page
+
+
+async def test_collection_passages_the_agent_found_are_not_searched_twice(
+    settings, fake_model, fake_search
+):
+    app = create_app(settings.replace(embeddings={"model": ""}))
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as client:
+            collection = await collection_of(client, b"# Raptor\n\nRaptor burns METHANE-FACT.")
+            fake_model.tool_rounds[:] = [
+                [("search_collection", {"query": "raptor methane"})],
+                [("done", {})],
+            ]
+            body = chat_body(
+                "compare raptor engines", focusMode="deepResearch", collections=[collection]
+            )
+            events = await sse_chat(client, body)
+    sources = next(e for e in events if e.type == "sources").data["data"][:-1]
+    passages = [s for s in sources if s["metadata"].get("collectionId")]
+    assert len(passages) == 1
+    progress = [e.data["data"] for e in events if e.type == "progress"]
+    assert "searching your collections" not in progress  # the agent searched them itself
+    assert fake_model.last_system_prompt().count("METHANE-FACT") == 1
+
+
+async def test_excluded_domains_are_never_read(settings, fake_model, fake_search):
+    decided(fake_model)
+    port = fake_search.base_url.rsplit(":", 1)[1]
+    excluded = f"http://localhost:{port}/pages/4"
+    fake_model.tools_refused = True
+    plans = iter(
+        [orjson.dumps({"calls": [{"tool": "read_url", "args": {"urls": [excluded]}}]}).decode()]
+    )
+    fake_model.replies.insert(0, (PLAN_JSON, lambda _p: next(plans, '{"done": true}')))
+    pasted = f"http://localhost:{port}/pages/6"
+    events = await ask(
+        settings,
+        web(f"{RELEVANT_QUESTION} see {pasted}", search={"domains": ["-localhost"]}),
+    )
+    assert events[-1].data["status"] == "completed"
+    assert fake_search.pages_read == [] or all(n not in (4, 6) for _, n in fake_search.pages_read)
+    sources = next(e for e in events if e.type == "sources").data["data"]
+    assert not any("localhost" in s["metadata"]["url"] for s in sources)
+    refused = [s for s in steps(events, "read") if s["status"] == "failed"]
+    assert {u for s in refused for u in s["urls"]} == {excluded, pasted}
+    texts = [e.data["data"] for e in events if e.type == "progress"]
+    assert any("excluded by the request's domains" in t for t in texts)
+
+
+# -- deadlines -----------------------------------------------------------------------------
+
+
+async def test_the_json_planner_gets_what_is_left_of_the_round(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tools_refused = True
+    fake_model.tool_delay = 2.5  # the refusal comes late
+    fake_model.slow_replies[PLAN_JSON] = 30
+    started = time.monotonic()
+    events = await ask(settings, web(), research={"round_seconds": 3.0})
+    assert time.monotonic() - started < 4.5
+    assert events[-1].data["status"] == "completed"
+    assert [q for _, q in fake_search.queries] == [RELEVANT_QUESTION]  # the plain fallback
+
+
+async def test_the_small_models_pick_does_not_outlast_the_budget(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "methane"})], [("done", {})]]
+    fake_model.slow_replies["Question:"] = 30  # the quality pick (prompts/web_search_select.txt)
+    started = time.monotonic()
+    events = await ask(settings, web(mode="quality"), research={"quality_seconds": 2.0})
+    assert time.monotonic() - started < 4
+    assert events[-1].data["status"] == "completed"
+    assert "sources" in [e.type for e in events]
+
+
+async def test_the_classifier_is_given_a_bounded_conversation(settings, fake_model, fake_search):
+    decided(fake_model)
+    history = [["human", "q" * 5000], ["assistant", "a" * 5000]] * 10
+    await ask(settings, web(history=history))
+    (asked,) = [r for r in fake_model.requests if CLASSIFY in str(r.get("messages"))]
+    assert len(asked["messages"][0]["content"]) < 10_000
+
+
+async def test_a_hanging_tool_round_ends_at_round_seconds(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tool_delay = 30
+    started = time.monotonic()
+    events = await ask(settings, web(), research={"round_seconds": 1.0})
+    assert time.monotonic() - started < 3
+    assert events[-1].data["status"] == "completed"
+    assert [q for _, q in fake_search.queries] == [RELEVANT_QUESTION]
+    assert steps(events, "round")[-1]["status"] == "failed"
+    await wait_for(_async(lambda: fake_model.tool_streams[-1].outcome != "open"))
+    assert fake_model.tool_streams[-1].outcome == "client_closed"
+
+
+async def test_a_slow_classifier_falls_back_at_classify_seconds(settings, fake_model, fake_search):
+    fake_model.slow_replies[CLASSIFY] = 30
+    question = RELEVANT_QUESTION + " in detail"
+    started = time.monotonic()
+    events = await ask(settings, web(question, mode="speed"), research={"classify_seconds": 0.5})
+    assert time.monotonic() - started < 2.5
+    assert [q for _, q in fake_search.queries] == [question]  # the question as asked
+    assert "sources" in [e.type for e in events]
+    await wait_for(_async(lambda: fake_model.replies_closed))
+
+
+# -- cancel with each kind of call in flight -------------------------------------------------
+
+
+async def _cancel_when(settings, chat_id, ready, **fields):
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
+            async with client.stream(
+                "POST", "/api/chat/sse", json=web(chatId=chat_id, **fields)
+            ) as response:
+                stream = iter_sse(response)
+                await wait_for(_async(ready))
+                started = time.monotonic()
+                await client.post("/api/chat/cancel", json={"chatId": chat_id, "userId": "1"})
+                tail = await rest(stream)
+    assert time.monotonic() - started < 2
+    assert tail[-1].type == "messageEnd" and tail[-1].data["status"] == "cancelled"
+    return tail
+
+
+async def test_cancel_closes_a_read_in_flight(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_search.page_delay[2] = 10
+    fake_model.tool_rounds[:] = [[("read_url", {"urls": [fake_search.base_url + "/pages/2"]})]]
+    tail = await _cancel_when(settings, "cr1", lambda: 2 in fake_search.pages_asked)
+    await wait_for(_async(lambda: ("page", 2) in fake_search.closed))
+    assert fake_search.pages_read == []
+    assert still_running(tail) == [] and steps(tail, "read")[-1]["status"] == "failed"
+
+
+async def test_cancel_closes_the_json_planner_in_flight(settings, fake_model, fake_search):
+    decided(fake_model)
+    fake_model.tools_refused = True
+    fake_model.slow_replies[PLAN_JSON] = 10
+    await _cancel_when(
+        settings,
+        "cp1",
+        lambda: any(PLAN_JSON in str(r.get("messages")) for r in fake_model.requests),
+    )
+    await wait_for(_async(lambda: PLAN_JSON in fake_model.replies_closed))
+    assert fake_search.queries == []
+
+
+# -- steps after the fact ----------------------------------------------------------------------
+
+
+async def test_steps_are_in_the_same_order_on_every_format(settings, fake_model, fake_search):
+    def script():
+        decided(fake_model)
+        fake_model.tool_rounds[:] = [
+            [
+                ("web_search", {"query": "same"}),
+                ("read_url", {"urls": [fake_search.base_url + "/pages/1"]}),
+            ],
+            [("done", {})],
+        ]
+
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
+            script()
+            sse = await sse_chat(client, web(chatId="so1"))
+            script()
+            simple = await sse_chat(client, web(format="simple"))
+            script()
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": "webSearch:balanced",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": RELEVANT_QUESTION}],
+                },
+            ) as response:
+                v1 = (await response.aread()).decode()
+            chat = (await client.get("/api/chats/so1")).json()
+    lines = [e.data["data"] for e in sse if e.type == "progress" and "step" in e.data]
+    order = [(s["id"], s["status"]) for s in steps(sse)]
+    assert len(order) >= 7  # classify, a round, a search and a read, each started and ended
+    infos = [e.data for e in simple if e.data["type"] == "info" and "step" in e.data["metadata"]]
+    assert [(i["metadata"]["step"]["id"], i["metadata"]["step"]["status"]) for i in infos] == order
+    assert [i["content"] for i in infos] == lines
+    thinking = "".join(
+        (chunk["choices"][0]["delta"].get("reasoning_content") or "")
+        for chunk in (orjson.loads(b[6:]) for b in v1.split("\n\n") if b.startswith("data: {"))
+        if chunk.get("choices")
+    )
+    assert thinking.split("\n")[: len(lines)] == lines
+    # reopened: the answer's progress lines, in order
+    answer = chat["messages"][-1]
+    assert answer["steps"] == [e.data["data"] for e in sse if e.type == "progress"]
+
+
+async def test_speed_spends_its_configured_rounds(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "quick"})], [("done", {})]]
+    events = await ask(settings, web(mode="speed"), research={"speed_rounds": 2})
+    assert len(fake_model.tool_requests()) == 2
+    assert [q for _, q in fake_search.queries] == ["quick"]
+    assert [s["of"] for s in steps(events, "round")][:1] == [2]

@@ -16,7 +16,7 @@ import pytest
 import app.llm
 from app.config import LLMSettings
 from app.errors import ModelError, StreamError
-from app.llm import LLMClient, body_reader
+from app.llm import LLMClient, body_reader, refuses_tools
 from app.upstream import StreamedResponse, StreamingClient
 from tests.client import wait_for
 from tests.test_first_minutes import closed_port
@@ -371,3 +371,68 @@ async def test_a_redirect_is_left_to_the_sdk_as_before(model_url, fake_model):
     finally:
         await client.aclose()
         server.close()
+
+
+async def test_a_completion_that_leaves_the_opening_tag_out_is_split_and_remembered(
+    model_url, fake_model
+):
+    fake_model.replies.insert(0, ("Name it", "They want a name. Maybe this.</think>Fake Title"))
+    client = llm(model_url, fake_model.api_key)
+    try:
+        assert await client.complete([{"role": "user", "content": "Name it"}]) == "Fake Title"
+        # the model is known now: its first streamed answer is split from its start
+        got = await deltas(client, "explain #lonethink #reasoning=0")
+    finally:
+        await client.aclose()
+    assert "".join(t for kind, t in got if kind == "reasoning") == "Let me think."
+    assert "".join(t for kind, t in got if kind == "content") == "The answer."
+
+
+async def test_a_reasoning_model_is_given_room_to_reason_in_short_calls(model_url, fake_model):
+    ask = [{"role": "user", "content": "Name it"}]
+    plain = llm(model_url, fake_model.api_key)
+    r1 = LLMClient(LLMSettings(base_url=model_url, api_key=fake_model.api_key, model="DeepSeek-R1"))
+    try:
+        await plain.complete(ask, max_tokens=300)
+        assert fake_model.requests[-1]["max_tokens"] == 300
+        await r1.complete(ask, max_tokens=300)
+        assert fake_model.requests[-1]["max_tokens"] >= 300 + 4000
+        # a model whose name says nothing, seen to reason: room from then on
+        fake_model.replies.insert(0, ("Name it", "Hmm.</think>Fake Title"))
+        await plain.complete(ask, max_tokens=300)
+        await plain.complete(ask, max_tokens=300)
+        assert fake_model.requests[-1]["max_tokens"] >= 300 + 4000
+    finally:
+        await plain.aclose()
+        await r1.aclose()
+
+
+@pytest.mark.parametrize(
+    ("detail", "refused"),
+    [
+        ("registry.ollama.ai/library/gemma3 does not support tools", True),
+        ("tool_choice is not supported", True),
+        ("unknown field `tools`", True),
+        ("tools param requires --jinja flag", True),
+        ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser', True),
+        ("deepseek-reasoner does not support Function Calling", True),
+        ("Unrecognized request argument supplied: tools", True),
+        # these name tools or functions, and are about something else
+        (
+            "This model's maximum context length is 8192 tokens. However, your messages "
+            "resulted in 9000 tokens (8000 in the messages, 1000 in the functions).",
+            False,
+        ),
+        (
+            "Invalid parameter: messages with role 'tool' must be a response to a "
+            "preceeding message with 'tool_calls'.",
+            False,
+        ),
+        ("Invalid 'messages[2].tool_calls[0].id': empty string.", False),
+        ("temperature is not supported with this model", False),
+        ("the function name is too long", False),
+    ],
+)
+def test_only_a_refusal_of_tools_marks_a_model_as_without_them(detail, refused):
+    assert refuses_tools(400, detail) is refused
+    assert refuses_tools(500, detail) is False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.llm import ThinkSplitter, strip_think
+from app.llm import ThinkSplitter, split_think, strip_think
 
 TEXT = "<think>Let me <b>think</b>.</think>The answer is <3 and </think> stays."
 
@@ -37,3 +37,14 @@ def test_unterminated_tag_at_end_is_kept_as_text():
 
 def test_strip_think():
     assert strip_think("<think>hmm</think>Title here") == "Title here"
+
+
+def test_a_whole_completion_whose_opening_tag_was_left_out_keeps_only_the_answer():
+    # a DeepSeek-R1 template: reasoning, a lone `</think>`, then the answer (JSON here)
+    text = 'The user greets me. No search.</think>\n{"skipSearch": true}'
+    assert strip_think(text) == '\n{"skipSearch": true}'
+    assert split_think(text) == ("The user greets me. No search.", '\n{"skipSearch": true}', True)
+    # more than one lone close: everything up to the last one was reasoning
+    assert strip_think("a</think>b</think>answer") == "answer"
+    # a paired tag is split as a stream splits it; a later `</think>` stays text
+    assert split_think("<think>x</think>y </think> z") == ("x", "y </think> z", False)

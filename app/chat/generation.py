@@ -26,7 +26,7 @@ from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
-from ..llm import ChatModel, Message
+from ..llm import ChatModel, ContextTooLong, Message, cut_to_tokens, tokens_in
 from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest
@@ -41,7 +41,7 @@ from ..search.web import (
 )
 from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
-from .agent import Researcher, context_tokens
+from .agent import Researcher, context_tokens, source_key
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, Progress, steps_of
@@ -52,6 +52,12 @@ generation_log = logging.getLogger("app.generation")
 
 REWRITE_MIN_CHARS = 30
 IMAGES = 6  # images found for an answer that asks for them
+RELATED_CHARS = 300  # of each related question
+#: tokens a message costs beyond its text (its role and separators), and a source its line
+MESSAGE_TOKENS = 8
+SOURCE_LINE_TOKENS = 20
+#: a source cut shorter than this is left out (the window is full)
+MIN_SOURCE_TOKENS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,9 @@ class Generation:
         self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
         self.extras: dict[str, Any] = {}  # what `messageEnd` adds: images, related questions
+        #: what the system prompt was made of, to make it again shorter: its prompt's
+        #: name, date and sources, and how much of each source
+        self._grounding: tuple[str, str, list[SearchResult], int] | None = None
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
@@ -202,7 +211,8 @@ class Generation:
                 for i in await images
             ]
         if req.related:
-            self.extras["relatedQuestions"] = await self._related(history)
+            related = await self._related(history)
+            self.extras["relatedQuestions"] = [q[:RELATED_CHARS] for q in related]
 
     async def _related(self, history: list[tuple[str, str]]) -> list[str]:
         """Follow-up questions to the answer; none when the model cannot say."""
@@ -215,16 +225,41 @@ class Generation:
             return []
 
     async def _answer(self, question: str, history: list[tuple[str, str]]) -> None:
-        svc, req = self.services, self.request
+        """Stream the answer. A model that refuses the prompt as longer than its window
+        (its window smaller than `llm.context_tokens` says, or a count of ours too
+        low) is asked once more, before anything of the answer came, with half the
+        sources and half the room for the conversation."""
         system = await self._system_prompt(question)
-        history = fit_history(history, system, req.content, self._room())
+        room = self._room()
+        self.out.emit("message", data="")
+        for attempt in range(2):
+            messages = self._messages(system, history, room)
+            self.prompt_chars = sum(len(m["content"]) for m in messages)
+            try:
+                await self._stream(messages)
+                return
+            except ContextTooLong:
+                if attempt or self.first_token_at or not (self._grounding or history):
+                    raise
+                log.info("the model refused the prompt as too long: once more, shorter")
+                system = self._shorter_system_prompt() or system
+                room //= 2
+
+    def _messages(self, system: str, history: list[tuple[str, str]], room: int) -> list[Message]:
+        req = self.request
+        history = fit_history(history, system, req.content, room)
         messages: list[Message] = [{"role": "system", "content": system}]
         messages.extend({"role": role, "content": text} for role, text in history)
         messages.append({"role": "user", "content": req.content})
+        return messages
 
-        self.prompt_chars = sum(len(m["content"]) for m in messages)
+    async def _stream(self, messages: list[Message]) -> None:
+        """The model's answer, relayed as it comes. A piece of text too big for one
+        event (a model's whole answer in one chunk, say) goes out in several: the
+        only cost on the path of a token is its length compared."""
+        svc, req = self.services, self.request
         emit, content, reasoning = self.out.emit, self.content, self.reasoning
-        emit("message", data="")
+        most = text_chars(svc.settings.stream.max_event_bytes)
         requested = time.monotonic()
         async for delta in svc.llm.stream(messages, model=req.model):
             if not self.first_token_at and delta.kind != "keepalive":
@@ -234,10 +269,18 @@ class Generation:
             kind = delta.kind
             if kind == "content":
                 content.append(delta.text)
-                emit("message", data=delta.text)
+                if len(delta.text) <= most:
+                    emit("message", data=delta.text)
+                else:
+                    for i in range(0, len(delta.text), most):
+                        emit("message", data=delta.text[i : i + most])
             elif kind == "reasoning":
                 reasoning.append(delta.text)
-                emit("reasoning", data=delta.text)
+                if len(delta.text) <= most:
+                    emit("reasoning", data=delta.text)
+                else:
+                    for i in range(0, len(delta.text), most):
+                        emit("reasoning", data=delta.text[i : i + most])
             elif kind == "usage":
                 self.counted = delta.usage
             else:
@@ -251,12 +294,22 @@ class Generation:
         svc, req = self.services, self.request
         allowed: tuple[str, ...] = ("web",) if sources.scope is not None else SOURCE_KINDS
         if req.sources:
+            # a mode that fixes its sources wins over the request's list (PROTOCOL §1)
             allowed = tuple(k for k in allowed if k in req.sources) or allowed[:1]
         if not self.files:
-            allowed = tuple(k for k in allowed if k != "files") or ("web",)
+            # no files to search: never another kind instead, which the request did not allow
+            allowed = tuple(k for k in allowed if k != "files")
         worth_asking = req.optimization_mode != "speed" or (
             len(req.content) > REWRITE_MIN_CHARS or bool(history)
         )
+        if not allowed:
+            decision = Decision(req.content, skip_search=True, sources=())
+            self.out.emit(
+                "progress",
+                data="no search: the request allows only files, and it has none",
+                step={"id": "classify-0", "kind": "classify", "status": "done", **decision.step()},
+            )
+            return decision
         if worth_asking:
             decision = await classify(
                 svc.llm,
@@ -285,22 +338,38 @@ class Generation:
         return decision
 
     def _room(self) -> int:
-        """The characters the answer's prompt may hold: the model's window less room for
-        the answer, at about three characters a token (a cautious count)."""
+        """The tokens (`tokens_in`) the answer's prompt may hold: the model's window
+        less room for the answer (a quarter of it, at most 8,192)."""
         tokens = context_tokens(self.services.settings)
-        return max(4000, (tokens - min(8192, tokens // 4)) * 3)
+        return max(0, tokens - min(8192, tokens // 4))
 
     async def _system_prompt(self, question: str) -> str:
         """The mode's prompt with the sources it found (and the request's extra
         instructions). Web results and passages of the chat's files are ranked
         together; with web search off (copilot off, or a mode without it) the files
         alone are the sources."""
-        system = await self._grounded_prompt(question)
-        if self.request.instructions:
-            system += self.services.prompts.render(
-                "instructions", instructions=self.request.instructions
-            )
-        return system
+        return await self._grounded_prompt(question) + self._instructions()
+
+    def _instructions(self) -> str:
+        if not self.request.instructions:
+            return ""
+        return self.services.prompts.render("instructions", instructions=self.request.instructions)
+
+    def _shorter_system_prompt(self) -> str | None:
+        """The system prompt again with half its sources (half of the one source's
+        text, when it has one); None when it has none."""
+        if self._grounding is None:
+            return None
+        prompt, date, results, chars = self._grounding
+        if len(results) > 1:
+            results = results[: len(results) // 2]
+        else:
+            results = [replace(r, content=r.text[: len(r.text) // 2]) for r in results]
+        self._grounding = (prompt, date, results, chars)
+        context = context_of(results, chars)
+        return self.services.prompts.render(prompt, date=date, context=context) + (
+            self._instructions()
+        )
 
     async def _grounded_prompt(self, question: str) -> str:
         svc, req = self.services, self.request
@@ -312,9 +381,11 @@ class Generation:
         if not web and not self.files and self.collections is None:
             prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
             return svc.prompts.render(prompt, date=date)
-        results = []
+        pinned: list[SearchResult] = []  # pasted pages: first, whatever is ranked after them
+        results: list[SearchResult] = []
+        searched: frozenset[str] = frozenset()
         if web and mode.sources is not None and self.decision is not None:
-            results = await svc.researcher.find_sources(
+            gathered = await svc.researcher.find_sources(
                 self.out,
                 question,
                 mode.sources.budget or req.optimization_mode,
@@ -325,18 +396,35 @@ class Generation:
                 collections=self.collections,
                 filters=req.search,
             )
-        if self.files:
+            pinned = gathered.results[: gathered.pinned]
+            results = gathered.results[gathered.pinned :]
+            searched = gathered.searched
+        # the request's files and collections, searched for the question unless the
+        # research did so itself (its passages are among its results already)
+        if self.files and "files" not in searched:
             results = await self._with_files(question, results)
-        if self.collections is not None:
+        if self.collections is not None and "collection" not in searched:
             results = await with_collections(self.out, self.collections, question, results)
+        results = unique([*pinned, *results])
         if not results:
             self.out.emit("progress", data="answering without sources")
             return svc.prompts.render(PLAIN_PROMPT, date=date)
         prompt = mode.prompt if web else "files_response"
         bare = svc.prompts.render(prompt, date=date, context="")
         chars = context_chars(req.search)
-        results = fit_sources(results, self._room() - len(bare) - len(req.content), chars)
+        room = (
+            self._room()
+            - tokens_in(bare)
+            - tokens_in(self._instructions())
+            - tokens_in(req.content)
+            - 2 * MESSAGE_TOKENS
+        )
+        results = fit_sources(results, room, chars)
+        if not results:
+            self.out.emit("progress", data="answering without sources: no room for them")
+            return svc.prompts.render(PLAIN_PROMPT, date=date)
         await self._send_sources(results)
+        self._grounding = (prompt, date, results, chars)
         return svc.prompts.render(prompt, date=date, context=context_of(results, chars))
 
     async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
@@ -470,18 +558,20 @@ def estimate_tokens(chars: int) -> int:
 def fit_sources(
     results: list[SearchResult], room: int, chars: int = CONTEXT_CHARS_PER_SOURCE
 ) -> list[SearchResult]:
-    """The sources, in order, within `room` characters of context: each at most
-    `chars`; the one that does not fit is cut, and the rest left out (a pasted page,
-    first, always stays)."""
+    """The sources, in order, within `room` tokens (`tokens_in`) of context: each at
+    most `chars` characters; the one that does not fit is cut, and the rest left out
+    (a pasted page, first, stays while there is any room worth the name)."""
     kept: list[SearchResult] = []
     for r in results:
-        room -= 40  # its "source N <url>" line
+        room -= SOURCE_LINE_TOKENS  # its "source N <url>" line
+        if room < MIN_SOURCE_TOKENS:
+            break
         text = r.text[:chars]
-        if len(text) > room:
-            if room < 200 and kept:
-                break
-            text = text[: max(room, 200)]
-        room -= len(text)
+        cost = tokens_in(text)
+        if cost > room:
+            text = cut_to_tokens(text, room)
+            cost = tokens_in(text)
+        room -= cost
         kept.append(r if text == r.text else replace(r, content=text))
     return kept
 
@@ -489,15 +579,34 @@ def fit_sources(
 def fit_history(
     history: list[tuple[str, str]], system: str, question: str, room: int
 ) -> list[tuple[str, str]]:
-    """The latest turns that fit beside the prompt and the question."""
-    room -= len(system) + len(question)
+    """The latest turns that fit beside the prompt and the question, in `room` tokens."""
+    room -= tokens_in(system) + tokens_in(question) + 2 * MESSAGE_TOKENS
     kept: list[tuple[str, str]] = []
     for role, text in reversed(history):
-        room -= len(text)
+        room -= tokens_in(text) + MESSAGE_TOKENS
         if room < 0:
             break
         kept.append((role, text))
     return kept[::-1]
+
+
+def unique(results: list[SearchResult]) -> list[SearchResult]:
+    """The sources without repeats (`source_key`), the first of each kept."""
+    seen: set[str] = set()
+    out = []
+    for r in results:
+        key = source_key(r)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def text_chars(limit: int) -> int:
+    """The most characters of text one event may carry within `limit` bytes: at most
+    six bytes a character in JSON, and half the limit left for what is around it (an
+    OpenAI chunk repeats the sources' citations)."""
+    return max(64, (limit // 2 - 1024) // 6)
 
 
 def fit_event(entries: list[dict[str, object]], limit: int) -> list[dict[str, object]]:

@@ -14,6 +14,9 @@ from ..store import Store
 log = logging.getLogger("app.chat")
 
 HISTORY_MESSAGES = 20
+#: what a small-model prompt (classifier, rewrite, suggestions) holds of a conversation
+HISTORY_CHARS = 6000
+TURN_CHARS = 2000  # of each turn in it
 TITLE_MAX_CHARS = 80
 
 
@@ -30,10 +33,19 @@ async def stored_history(
     return pairs[-HISTORY_MESSAGES:]
 
 
-def format_history(history: Sequence[tuple[str, str]]) -> str:
-    return "\n".join(
-        f"{'human' if role == 'user' else 'assistant'}: {text}" for role, text in history
-    )
+def format_history(history: Sequence[tuple[str, str]], chars: int = HISTORY_CHARS) -> str:
+    """The conversation as lines for a small-model prompt: its latest turns within
+    `chars` characters, each cut to `TURN_CHARS` (a pasted document in an earlier turn
+    does not make every later classifier call long and slow)."""
+    lines: list[str] = []
+    for role, text in reversed(history):
+        who = "human" if role == "user" else "assistant"
+        line = f"{who}: {text[:TURN_CHARS]}{'…' if len(text) > TURN_CHARS else ''}"
+        chars -= len(line) + 1
+        if chars < 0:
+            break
+        lines.append(line)
+    return "\n".join(reversed(lines))
 
 
 async def rewrite(

@@ -285,7 +285,8 @@ class WebSearch:
     ) -> list[SearchResult]:
         """What the optimization mode does with search results: `balanced` ranks them
         by embeddings and reads the best page, `quality` has the small model pick at
-        most `picks` and reads them all; `speed` keeps them as they are."""
+        most `picks` and reads them all; `speed` keeps them as they are. Nothing runs
+        past the loop time `deadline`: a pick not made by then is the search's order."""
         if mode == "balanced":
             try:
                 results = await rank_by_embeddings(self.embedder, question, results)
@@ -296,7 +297,14 @@ class WebSearch:
             return await self._read(out, results, 1, deadline)
         if mode == "quality":
             out.emit("progress", data=f"choosing the best of {len(results)} results")
-            chosen = await select_with_model(self.llm, self.prompts, question, results, picks)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    chosen = await select_with_model(
+                        self.llm, self.prompts, question, results, picks
+                    )
+            except TimeoutError:
+                out.emit("progress", data="no time left to choose; using the search order")
+                chosen = results[:picks]
             return await self._read(out, chosen, len(chosen), deadline)
         return results
 
@@ -335,7 +343,8 @@ class WebSearch:
 
 async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -> list[T | None]:
     """Run the coroutines concurrently until the loop time `deadline`; the results in
-    order, None for each one that failed or had not finished (those are cancelled)."""
+    order, None for each one that failed (logged) or had not finished (those are
+    cancelled)."""
     tasks = [asyncio.create_task(c) for c in coros]
     remaining = max(0.0, deadline - asyncio.get_running_loop().time())
     try:
@@ -343,12 +352,19 @@ async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -
     finally:
         # what is late is cancelled and waited for: no request outlives its search
         await asyncio.shield(cancel_and_wait(tasks))
-    return [
-        task.result()
-        if task in done and not task.cancelled() and task.exception() is None
-        else None
-        for task in tasks
-    ]
+    results: list[T | None] = []
+    for task in tasks:
+        if task not in done or task.cancelled():
+            results.append(None)
+        elif (exc := task.exception()) is not None:
+            if isinstance(exc, AppError):
+                log.warning("a search step failed: %s", exc.message)
+            else:
+                log.error("a search step failed", exc_info=exc)
+            results.append(None)
+        else:
+            results.append(task.result())
+    return results
 
 
 def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:

@@ -97,7 +97,12 @@ async def chat_completions(request: Request) -> Response:
     stream = body.get("stream") is True
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
     if stream:
-        encoder = OpenAIEncoder(model, handle, include_usage=bool(options.get("include_usage")))
+        encoder = OpenAIEncoder(
+            model,
+            handle,
+            include_usage=bool(options.get("include_usage")),
+            max_event_bytes=settings.stream.max_event_bytes,
+        )
         return event_stream(
             request, service.relay(handle, encoder), "openai", lambda: service.stop_here(handle)
         )
@@ -322,12 +327,21 @@ class OpenAIEncoder(Encoder[bytes]):
     Each chunk is built from two byte strings made once (before and after the
     delta), so a token costs one small `orjson.dumps` of its text; the citations,
     once known, are in those byte strings too (Perplexity sends them on every
-    chunk)."""
+    chunk): cut to fit half of `max_event_bytes`, so that a chunk with a piece of
+    text (at most the other half) stays under it."""
 
     name = "openai"
 
-    def __init__(self, model: str, handle: Handle, *, include_usage: bool) -> None:
+    def __init__(
+        self,
+        model: str,
+        handle: Handle,
+        *,
+        include_usage: bool,
+        max_event_bytes: int = 262144,
+    ) -> None:
         self.include_usage = include_usage
+        self._room = max_event_bytes // 2
         self._id = f"chatcmpl-{handle.answer_id}"
         self._model = model
         self._sources: dict[str, Any] = {}
@@ -376,6 +390,9 @@ class OpenAIEncoder(Encoder[bytes]):
             elif kind == "sources":
                 self._sources = perplexity_sources(data.get("data", []))
                 self._head, self._tail = self._frame()
+                if len(self._head) + len(self._tail) > self._room:
+                    self._sources = fit_sources(self._sources, self._room - 512)
+                    self._head, self._tail = self._frame()
             elif kind == "keep-alive":
                 out.append(b": keep-alive\n\n")
             elif kind == "messageEnd":
@@ -420,6 +437,17 @@ def perplexity_sources(sources: list[Any]) -> dict[str, Any]:
         "citations": [s.get("metadata", {}).get("url", "") for s in real],
         "search_results": results,
     }
+
+
+def fit_sources(sources: dict[str, Any], room: int) -> dict[str, Any]:
+    """`citations` and `search_results` within `room` bytes: the snippets shortened,
+    then the last sources left out (of both lists, so `[N]` still names the N-th)."""
+    results = [{**r, "snippet": str(r.get("snippet", ""))[:200]} for r in sources["search_results"]]
+    citations = list(sources["citations"])
+    while results and len(orjson.dumps({"c": citations, "s": results})) > room:
+        results.pop()
+        citations.pop()
+    return {"citations": citations, "search_results": results}
 
 
 def searched(progress: dict[str, Any]) -> int:

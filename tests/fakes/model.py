@@ -24,9 +24,13 @@ A request with `tools` (the research agent's rounds) answers with streamed
 `tool_calls` deltas from `tool_rounds`: each such request takes the next round, a
 list of (name, arguments) calls (several: parallel calls); when none are left, a
 `done` call. `tools_refused` answers such requests 400 ("tools is not supported"),
-`tools_ignored` with text and no call; `tool_delay` waits before answering.
+`tools_ignored` with text and no call; `tool_delay` waits before answering (or
+refusing); `tool_error` answers them 400 with that text; `tool_ids_empty` sends calls
+without ids. A request whose `tool` messages do not answer a call of an earlier
+assistant message by its id is refused 400, as OpenAI refuses it.
 `context_limit` (characters) answers any request whose messages are longer with
-OpenAI's 400 "maximum context length".
+OpenAI's 400 "maximum context length"; `context_tokens` does the same counting
+tokens as a tokenizer roughly would (a non-ASCII character one, four ASCII ones one).
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
@@ -34,7 +38,9 @@ prompt tokens are the words of the messages, completion tokens the chunks sent
 
 Non-streamed completions (rewrite, title, suggestions, ranking) answer from
 `replies`: the first (substring, reply) whose substring is in the prompt; a
-callable reply is called with the prompt.
+callable reply is called with the prompt. `slow_replies` (substring → seconds)
+delays the answer to such a prompt; one whose client goes meanwhile is kept in
+`replies_closed` (its substring).
 Everything asked is kept in `requests`; every stream's end in `streams`
 ("completed", "client_closed", "broken").
 """
@@ -87,7 +93,28 @@ class FakeModel:
     tools_ignored: bool = False
     tool_delay: float = 0.0
     context_limit: int | None = None
+    context_tokens: int | None = None
     tool_streams: list[StreamRecord] = field(default_factory=list)
+    tool_error: str | None = None
+    tool_ids_empty: bool = False
+    slow_replies: dict[str, float] = field(default_factory=dict)
+    replies_closed: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.streams.clear()
+        self.replies[:] = DEFAULT_REPLIES
+        self.reply_delay = 0.0
+        self.flaked.clear()
+        self.answer_text = None
+        self.tool_rounds.clear()
+        self.tool_streams.clear()
+        self.tools_refused = self.tools_ignored = self.tool_ids_empty = False
+        self.tool_delay = 0.0
+        self.tool_error = None
+        self.context_limit = self.context_tokens = None
+        self.slow_replies.clear()
+        self.replies_closed.clear()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -138,11 +165,28 @@ class FakeModel:
                 f"This model's maximum context length is {self.context_limit // 4} tokens. "
                 f"However, your messages resulted in {len(prompt) // 4} tokens.",
             )
+        if self.context_tokens is not None and tokens_of(prompt) > self.context_tokens:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.context_tokens} tokens. "
+                f"However, your messages resulted in {tokens_of(prompt)} tokens "
+                "(in the messages and the functions). Please reduce their length.",
+            )
+        if not answered_by_id(body.get("messages", [])):
+            return _error(
+                400,
+                "Invalid parameter: messages with role 'tool' must be a response to a "
+                "preceeding message with 'tool_calls'.",
+            )
         if body.get("tools"):
-            return self._tool_answer()
+            return await self._tool_answer()
         if not body.get("stream"):
             if self.reply_delay:
                 await asyncio.sleep(self.reply_delay)
+            slow = next((k for k in self.slow_replies if k in prompt), None)
+            if slow is not None and await _client_went(request, self.slow_replies[slow]):
+                self.replies_closed.append(slow)
+                return _error(499, "client closed")
             return JSONResponse(_completion(self._reply(prompt)))
         last_user = next(
             (m["content"] for m in reversed(body["messages"]) if m["role"] == "user"), ""
@@ -168,9 +212,12 @@ class FakeModel:
     def tool_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r.get("tools")]
 
-    def _tool_answer(self) -> Response:
+    async def _tool_answer(self) -> Response:
         if self.tools_refused:
+            await asyncio.sleep(self.tool_delay)
             return _error(400, "registry.ollama.ai/library/gemma3 does not support tools")
+        if self.tool_error is not None:
+            return _error(400, self.tool_error)
         record = StreamRecord()
         self.tool_streams.append(record)
         calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
@@ -187,7 +234,8 @@ class FakeModel:
                 yield _chunk({"content": "I would search for that."})
             else:
                 for i, (name, arguments) in enumerate(calls):
-                    head = {"index": i, "id": f"call_{i}", "type": "function"}
+                    call_id = "" if self.tool_ids_empty else f"call_{i}"
+                    head = {"index": i, "id": call_id, "type": "function"}
                     yield _chunk(
                         {"tool_calls": [head | {"function": {"name": name, "arguments": ""}}]}
                     )
@@ -294,6 +342,36 @@ class FakeModel:
         return JSONResponse(
             {"object": "list", "data": data, "model": body.get("model", "fake-embed")}
         )
+
+
+def tokens_of(text: str) -> int:
+    """Tokens as a tokenizer roughly counts them: four ASCII characters one, any other
+    character one."""
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    return ascii_chars // 4 + len(text) - ascii_chars
+
+
+def answered_by_id(messages: list[dict[str, Any]]) -> bool:
+    """Whether every `tool` message answers a call made before it, by the call's id."""
+    called: set[str] = set()
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            called.add(str(call.get("id") or ""))
+        if m.get("role") == "tool" and (
+            not m.get("tool_call_id") or m["tool_call_id"] not in called
+        ):
+            return False
+    return True
+
+
+async def _client_went(request: Request, seconds: float) -> bool:
+    """Wait `seconds`, or less when the client goes: whether it went."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            return True
+        await asyncio.sleep(0.02)
+    return False
 
 
 THINK_ANSWER = "The answer."

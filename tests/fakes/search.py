@@ -16,7 +16,10 @@ prompt what was read. Result 3 shares the most words with `RELEVANT_QUESTION`
 
 SearxNG answers its `images`, `videos` and `news` categories as SearxNG does;
 Tavily its `include_images` and `topic: news`; Google `searchType=image`. Every
-request's parameters are kept in `requests` (provider, params).
+request's parameters are kept in `requests` (provider, params). A search (during
+`search_delay`) or a page read (during its `page_delay`) whose client goes away is
+kept in `closed` as (provider, query) or ("page", n), as the fake model keeps its
+streams' `client_closed`.
     /redirect?to=<url>               GET: 302 to <url>
     /secret                          GET: what an SSRF would reach
 """
@@ -84,6 +87,17 @@ def fulltext(n: int) -> str:
     return f"FULLTEXT-{n}: the whole page about {TOPICS[n]}, with every detail."
 
 
+async def client_went(request: Request, seconds: float) -> bool:
+    """Wait `seconds`, or less when the client goes: whether it went."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if await request.is_disconnected():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+
+
 @dataclass
 class FakeSearch:
     api_key: str = "search-key"
@@ -96,6 +110,8 @@ class FakeSearch:
     searched_at: list[float] = field(default_factory=list)  # when each search came in
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     pages_read: list[tuple[str, int]] = field(default_factory=list)  # (via, n)
+    closed: list[tuple[str, Any]] = field(default_factory=list)  # given up by the client
+    pages_asked: list[int] = field(default_factory=list)  # reads begun (through the reader)
     base_url: str = ""
     #: results put first; a "date" is given as the provider gives a publish date
     extra: list[dict[str, str]] = field(default_factory=list)
@@ -109,6 +125,8 @@ class FakeSearch:
         self.searched_at.clear()
         self.requests.clear()
         self.pages_read.clear()
+        self.closed.clear()
+        self.pages_asked.clear()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -137,11 +155,12 @@ class FakeSearch:
             for n in range(RESULT_COUNT)
         ]
 
-    async def _searched(self, provider: str, query: str) -> Response | None:
+    async def _searched(self, request: Request, provider: str, query: str) -> Response | None:
         self.queries.append((provider, query))
         self.searched_at.append(time.monotonic())
-        if self.search_delay:
-            await asyncio.sleep(self.search_delay)
+        if self.search_delay and await client_went(request, self.search_delay):
+            self.closed.append((provider, query))
+            return JSONResponse({"error": "client closed"}, status_code=499)
         if self.fail:
             return JSONResponse({"error": "fake search failure"}, status_code=self.fail)
         return None
@@ -154,7 +173,7 @@ class FakeSearch:
             return JSONResponse({"detail": "bad key"}, status_code=401)
         body: dict[str, Any] = await request.json()
         self.requests.append(("tavily", body))
-        if failed := await self._searched("tavily", body["query"]):
+        if failed := await self._searched(request, "tavily", body["query"]):
             return failed
         items = [
             {"title": r["title"], "url": r["url"], "content": r["snippet"], "score": 0.5}
@@ -177,7 +196,7 @@ class FakeSearch:
         if params.get("format") != "json":
             return PlainTextResponse("format must be json", status_code=403)
         self.requests.append(("searxng", params))
-        if failed := await self._searched("searxng", params["q"]):
+        if failed := await self._searched(request, "searxng", params["q"]):
             return failed
         category = params.get("categories", "general")
         if category == "images":
@@ -227,7 +246,7 @@ class FakeSearch:
         if params.get("key") != self.api_key or not params.get("cx"):
             return JSONResponse({"error": {"message": "bad key"}}, status_code=400)
         self.requests.append(("google", dict(params)))
-        if failed := await self._searched("google", params["q"]):
+        if failed := await self._searched(request, "google", params["q"]):
             return failed
         if params.get("searchType") == "image":
             images = [
@@ -262,8 +281,10 @@ class FakeSearch:
         n = int(url.rstrip("/").rsplit("/", 1)[-1]) if "/pages/" in url else -1
         if n < 0 or n in self.broken_pages:
             return PlainTextResponse("cannot read", status_code=422)
-        await asyncio.sleep(self.page_delay.get(n, 0))
-        if await request.is_disconnected():  # a read given up on (a later test may be running)
+        self.pages_asked.append(n)
+        # a read given up on (a later test may be running)
+        if await client_went(request, self.page_delay.get(n, 0)):
+            self.closed.append(("page", n))
             return PlainTextResponse("gone", status_code=499)
         self.pages_read.append(("jina", n))
         return PlainTextResponse(f"Title: Result {n}\n\nMarkdown Content:\n{fulltext(n)}")
