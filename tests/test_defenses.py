@@ -891,3 +891,22 @@ async def test_an_unknown_route_answers_in_its_protocols_shape(client):
     answer = await client.put("/api/chats")
     assert answer.status_code == 405 and answer.json()["key"] == "BAD_REQUEST"
     assert (await client.get("/")).status_code == 200  # the web client, as before
+
+
+async def test_a_refusal_that_quotes_the_question_logs_neither(settings, fake_model, caplog):
+    """A provider's error may quote the prompt (moderation refusals do): the status and
+    the error's words are logged, what it quotes is not — at any level."""
+    from app.logs import quiet_third_parties
+
+    quiet_third_parties()  # as the server configures its logging
+    with caplog.at_level(logging.DEBUG):
+        with serve(create_app(settings)) as running:
+            async with httpx.AsyncClient(
+                base_url=running.url, timeout=10, event_hooks=USER
+            ) as http:
+                events = await sse_chat(http, chat_body("where do wombats hide #echo=400"))
+    assert events[-1].type == "error" and "wombats" not in events[-1].data["data"]
+    refusal = next(r for r in caplog.records if r.getMessage() == "the model answered 400")
+    assert "was flagged" in refusal.fields["detail"]  # type: ignore[attr-defined]
+    logged = [f"{r.getMessage()} {getattr(r, 'fields', '')}" for r in caplog.records]
+    assert not [line for line in logged if "wombats" in line]
