@@ -6,6 +6,10 @@ Every key `[section] key` is overridden by the environment variable
 frozen `Settings` built once at start and passed down. Besides this module,
 only `python -m app` looks at the environment (for uvicorn's worker count and
 the metrics directory of several workers).
+
+No secret is ever shown: keys, secrets and URLs (whose user part may hold a
+password, and whose query a key) are left out of the settings' reprs, and an
+error about a value names its key and what was expected, never the value.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class ServerSettings:
     port: int = 8080
     keepalive_seconds: float = 15.0
     cors_origins: tuple[str, ...] = ("*",)
-    public_url: str = ""
+    public_url: str = field(default="", repr=False)
     shutdown_grace_seconds: float = 30.0
     workers: int = 1
     #: addresses whose X-Forwarded-For is believed (a reverse proxy in front)
@@ -46,7 +50,7 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class LLMSettings:
-    base_url: str = "https://api.deepseek.com/v1"
+    base_url: str = field(default="https://api.deepseek.com/v1", repr=False)
     api_key: str = field(default="", repr=False)
     model: str = "deepseek-reasoner"
     small_model: str = ""
@@ -64,7 +68,7 @@ class LLMSettings:
 
 @dataclass(frozen=True)
 class EmbeddingsSettings:
-    base_url: str = ""
+    base_url: str = field(default="", repr=False)
     api_key: str = field(default="", repr=False)
     model: str = ""
 
@@ -88,31 +92,31 @@ class DdgsSettings:
     timeout_seconds: int = 5
     cache_seconds: float = 120.0
     #: an http(s) or socks5 proxy URL for the library's requests (DDGS_PROXY); empty: none
-    proxy: str = ""
+    proxy: str = field(default="", repr=False)  # it may hold a password
 
 
 @dataclass(frozen=True)
 class TavilySettings:
     api_key: str = field(default="", repr=False)
-    base_url: str = "https://api.tavily.com"
+    base_url: str = field(default="https://api.tavily.com", repr=False)
 
 
 @dataclass(frozen=True)
 class SearxngSettings:
-    url: str = ""
+    url: str = field(default="", repr=False)  # it may hold a password
 
 
 @dataclass(frozen=True)
 class GoogleSettings:
     api_key: str = field(default="", repr=False)
     cse_id: str = ""
-    base_url: str = "https://www.googleapis.com"
+    base_url: str = field(default="https://www.googleapis.com", repr=False)
 
 
 @dataclass(frozen=True)
 class ReaderSettings:
     provider: str = "jina"
-    base_url: str = "https://r.jina.ai"
+    base_url: str = field(default="https://r.jina.ai", repr=False)
     api_key: str = field(default="", repr=False)
     timeout_seconds: float = 15.0
     allow_private_networks: bool = False
@@ -162,9 +166,9 @@ class RerankSettings:
     with `{"model", "query", "documents", "top_n"}` answering `{"results": [{"index",
     "relevance_score"}]}` (`/rerank` of an OpenAI-compatible server too). Empty: off."""
 
-    url: str = ""
+    url: str = field(default="", repr=False)
     model: str = ""
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)
     timeout_seconds: float = 10.0
 
 
@@ -175,7 +179,7 @@ class CollectionSettings:
     config file), `milvus:///data/collections.db` (Milvus Lite in a file) or
     `milvus://host:19530` (a Milvus server or cluster)."""
 
-    url: str = "tantivy:///data/collections"
+    url: str = field(default="tantivy:///data/collections", repr=False)  # a password, maybe
     max_documents: int = 10_000  # per collection
     max_import_bytes: int = 500 * 1024 * 1024  # one request's files together (a zip unpacked)
     max_import_files: int = 1000  # files in one request (the entries of a zip included)
@@ -260,7 +264,7 @@ class JwtSettings:
     keys from `issuer`'s discovery document or from `jwks_url`; or one HS256 `secret`."""
 
     issuer: str = ""
-    jwks_url: str = ""
+    jwks_url: str = field(default="", repr=False)
     audience: str = ""
     secret: str = field(default="", repr=False)
 
@@ -435,6 +439,26 @@ def path_beside(url: str, folder: Path) -> str:
     return f"{scheme}:///{folder / rest}"
 
 
+#: what a value of each type is said to be in an error
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_TOML: dict[type, str] = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "a table",
+}
+
+
+def _described(kind: Any, *, env: bool = False) -> str:
+    if kind in _KINDS:
+        return _KINDS[kind]
+    if typing.get_origin(kind) is tuple:
+        return "a comma-separated list" if env else "a list of strings"
+    return "comma-separated key:value pairs" if env else "a table of strings"
+
+
 def _coerce(value: Any, kind: Any, where: str) -> Any:
     origin = typing.get_origin(kind)
     if kind is bool:
@@ -455,7 +479,9 @@ def _coerce(value: Any, kind: Any, where: str) -> Any:
     else:
         if isinstance(value, dict) and all(isinstance(v, (str, int)) for v in value.values()):
             return types.MappingProxyType({str(k): str(v) for k, v in value.items()})
-    raise SettingsError(f"{where}: expected {kind}, got {value!r}")
+    # the value is not shown: it may be a key
+    got = _TOML.get(type(value), "another kind of value")
+    raise SettingsError(f"{where}: expected {_described(kind)}, got {got}")
 
 
 def _from_env(text: str, kind: Any, name: str) -> Any:
@@ -467,7 +493,7 @@ def _from_env(text: str, kind: Any, name: str) -> Any:
                 return True
             if lowered in ("0", "false", "no", "off", ""):
                 return False
-            raise ValueError(text)
+            raise ValueError
         if kind is int:
             return int(text)
         if kind is float:
@@ -483,8 +509,12 @@ def _from_env(text: str, kind: Any, name: str) -> Any:
                 continue
             key, sep, value = item.strip().rpartition(":")
             if not sep or not key:
-                raise ValueError(item)
+                raise ValueError
             pairs[key] = value
         return types.MappingProxyType(pairs)
-    except ValueError as exc:
-        raise SettingsError(f"{name}: cannot use {text!r} as {kind}") from exc
+    except ValueError:
+        # neither the value nor the parser's words (which quote it) are shown: it may
+        # be a key, and this is printed at start
+        raise SettingsError(
+            f"{name}: expected {_described(kind, env=True)} (the value is not shown)"
+        ) from None

@@ -818,9 +818,15 @@ _SECRET = re.compile(
 )
 
 
+#: what a provider's error quotes (a moderation refusal may quote the prompt)
+_QUOTED = re.compile(r"\"[^\"]*\"|“[^”]*”|‘[^’]*’|`[^`]*`|(?<![A-Za-z])'[^']*'")
+
+
 def redact(text: str) -> str:
-    """A model's error text without what could be a key ("sk-…abcd" included)."""
-    return _SECRET.sub("[redacted]", text)[:300]
+    """A model's error text for the log: without what could be a key ("sk-…abcd"
+    included) and without what it quotes (a refusal may quote the user's prompt),
+    cut to 200 characters."""
+    return _SECRET.sub("[redacted]", _QUOTED.sub("“…”", text))[:200]
 
 
 def _retry_after(exc: openai.APIStatusError) -> float:

@@ -46,15 +46,32 @@ def configure(level: str = "INFO") -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True
-    # HTTP clients log every request with its URL at INFO (a search key and the
-    # user's question in a query string; OIDC and JWKS requests go through them
-    # too); what fails is logged here, in words
+    quiet_third_parties()
+
+
+def quiet_third_parties() -> None:
+    """HTTP clients log every request with its URL at INFO (a search key and the
+    user's question in a query string; OIDC and JWKS requests go through them too),
+    aiosqlite every statement with its values at DEBUG: they log warnings only, and
+    what fails is logged by the app, in words."""
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-#: third-party loggers that would log each outbound request, its URL included
-QUIET = ("httpx", "httpx2", "httpcore", "openai", "aiohttp", "primp", "ddgs", "hpack", "authlib")
+#: third-party loggers that would log each outbound request, its URL included, or each
+#: statement with its values
+QUIET = (
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "openai",
+    "aiohttp",
+    "primp",
+    "ddgs",
+    "hpack",
+    "authlib",
+    "aiosqlite",  # every statement with its values, at DEBUG
+)
 
 
 class AccessLog:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from . import api, config, logs
 from .auth import RateLimiter
@@ -164,6 +164,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # first: a refusal here fails the start-up itself (`lifespan.startup.failed`),
+        # and the server exits rather than answer every request with a 500
+        refuse_body_middleware(app.user_middleware)
         async with contextlib.AsyncExitStack() as stack:
             redis = open_redis(
                 settings.redis.url,
@@ -357,9 +360,9 @@ class App(Starlette):
 
     So a middleware that looks at bodies (compression, tracing that records them)
     would see a stream's start and end but not its chunks — with gzip, say,
-    `content-encoding: gzip` over plain text: a corrupt stream. Building the app's
-    middleware refuses any middleware but those known to look only at a response's
-    start (`STREAM_SAFE`, or a class with `stream_safe = True`)."""
+    `content-encoding: gzip` over plain text: a corrupt stream. The app's start-up
+    (its lifespan) refuses any middleware but those known to look only at a
+    response's start (`refuse_body_middleware`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
@@ -373,19 +376,21 @@ class App(Starlette):
             # logged here, once, and the connection kept (the server would close it)
             log.exception("%s %s failed", scope.get("method"), scope.get("path"))
 
-    def build_middleware_stack(self) -> ASGIApp:
-        for entry in self.user_middleware:
-            cls: Any = entry.cls
-            if cls not in STREAM_SAFE and not getattr(cls, "stream_safe", False):
-                name = getattr(cls, "__name__", repr(cls))
-                raise RuntimeError(
-                    f"middleware {name} is not known to leave response bodies alone: this "
-                    "server writes streamed chunks past middleware, so it would see a "
-                    "stream's start but not its body (gzip would corrupt it). Compress or "
-                    "trace in a proxy in front, or mark a middleware that only looks at a "
-                    "response's start with `stream_safe = True`."
-                )
-        return super().build_middleware_stack()
+
+def refuse_body_middleware(middleware: list[Middleware]) -> None:
+    """Raises `RuntimeError` naming the first middleware not known to leave response
+    bodies alone (not in `STREAM_SAFE`, and not a class with `stream_safe = True`)."""
+    for entry in middleware:
+        cls: Any = entry.cls
+        if cls not in STREAM_SAFE and not getattr(cls, "stream_safe", False):
+            name = getattr(cls, "__name__", repr(cls))
+            raise RuntimeError(
+                f"middleware {name} is not known to leave response bodies alone: this "
+                "server writes streamed chunks past middleware, so it would see a "
+                "stream's start but not its body (gzip would corrupt it). Compress or "
+                "trace in a proxy in front, or mark a middleware that only looks at a "
+                "response's start with `stream_safe = True`."
+            )
 
 
 #: middleware that look only at a response's start (and the request), never its body

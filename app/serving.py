@@ -15,23 +15,36 @@ front):
   handshake;
 * a request body that stops arriving for `body_timeout` seconds (while the server
   reads it): closed;
-* more than `max_per_address` connections open from one client address (proxies
-  in `trusted` excepted: every client comes through them): 503, closed.
+* more than `max_connections_per_address` connections open from one client address
+  (the proxies of `trusted_proxies` excepted: every client comes through them): 503,
+  closed. The count is this worker process's: with several workers, an address may
+  hold that many in each;
+* a request the parser cannot read (`400 Invalid HTTP request` in uvicorn's plain
+  text): the same 400 as JSON in the protocol's shape;
+* a WebSocket handshake with a line the `websockets` library will not read (over
+  8 KiB): 431, closed (uvicorn would keep it open, and silent).
 
-uvicorn takes a protocol class in its `http` option, so this replaces nothing of
-uvicorn's. The bounds are a server's settings, which the protocol reads from
-uvicorn's config (`config.server_limits`, set by `uvicorn_config`; defaults
-without it): the config reaches every worker process, a class made at run time
-could not.
+uvicorn takes a protocol class in its `http` option, and one in its `ws` option:
+`BoundedWebSocket` is uvicorn's Sans-I/O WebSocket protocol that gives back its
+connection's place in the count when it ends (an upgraded connection is no longer
+the HTTP protocol's, whose `connection_lost` never runs for it). So this replaces
+nothing of uvicorn's. The bounds are a server's settings, which the protocols read
+from uvicorn's config (`config.server_limits`, set by `uvicorn_config`; defaults
+without it), beside the count (`config.open_connections`): the config reaches every
+worker process, each with a copy of its own, a class made at run time could not.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+import ipaddress
+from collections.abc import Iterable
+from typing import Any
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import SecurityError
 
 from .config import ServerSettings, Settings
 
@@ -54,10 +67,110 @@ TOO_MANY = (
 TOO_MANY_BODY = (
     b'{"type":"error","key":"RATE_LIMITED","data":"too many connections from this address"}'
 )
+UNREADABLE = (
+    b"HTTP/1.1 400 Bad Request\r\n"
+    b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+UNREADABLE_BODY = b'{"type":"error","key":"BAD_REQUEST","data":"invalid HTTP request"}'
+
+#: the attributes of uvicorn's config that hold the server's settings, and the count
+#: of its open connections by address
+LIMITS = "server_limits"
+OPEN = "open_connections"
 
 
 class HeadersTooLarge(Exception):
     """Raised inside the parser: stops it on this request."""
+
+
+class Trusted:
+    """Client addresses whose connections are not counted (reverse proxies), read as
+    uvicorn reads its `forwarded_allow_ips` (so both agree on who is a proxy):
+    addresses, networks (`10.0.0.0/8`), `*` alone for any, and other names (a Unix
+    socket's) as they are."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        listed = [e.strip() for e in entries]
+        self.anyone = listed == ["*"]
+        self.addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self.names: set[str] = set()
+        for entry in listed:
+            if "/" in entry:
+                try:
+                    self.networks.append(ipaddress.ip_network(entry))
+                except ValueError:
+                    self.names.add(entry)
+            elif entry:
+                try:
+                    self.addresses.add(ipaddress.ip_address(entry))
+                except ValueError:
+                    self.names.add(entry)
+
+    def __contains__(self, host: str) -> bool:
+        if self.anyone or host in self.names:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return address in self.addresses or any(address in net for net in self.networks)
+
+
+class OpenConnections:
+    """The connections one server has open, by client address, and its cap on them.
+    One per server (on uvicorn's config, copied into each worker process): nothing of
+    it is shared between servers or processes."""
+
+    def __init__(self, limits: ServerSettings) -> None:
+        self.cap = limits.max_connections_per_address
+        self.trusted = Trusted(limits.trusted_proxies)
+        self._by_host: dict[str, set[asyncio.BaseTransport]] = {}
+
+    def admit(self, host: str, transport: asyncio.BaseTransport) -> bool:
+        """Count a new connection from `host`; False (and not counted) past the cap."""
+        if not host or not self.cap or host in self.trusted:
+            return True
+        open_now = self._by_host.get(host)
+        if open_now is None:
+            open_now = self._by_host[host] = set()
+        elif len(open_now) >= self.cap:
+            # a transport is given back when its protocol hears that it closed; one
+            # that is closing already does not count
+            open_now.difference_update([t for t in open_now if t.is_closing()])
+            if len(open_now) >= self.cap:
+                return False
+        open_now.add(transport)
+        return True
+
+    def release(self, host: str, transport: asyncio.BaseTransport) -> None:
+        """A connection has ended (nothing when it was not counted)."""
+        open_now = self._by_host.get(host)
+        if open_now is not None:
+            open_now.discard(transport)
+            if not open_now:
+                del self._by_host[host]
+
+    def count(self, host: str) -> int:
+        return len(self._by_host.get(host, ()))
+
+    def hosts(self) -> int:
+        """How many addresses have a connection counted."""
+        return len(self._by_host)
+
+
+def open_connections(config: Config) -> OpenConnections:
+    """The count of `config`'s server (made with it by `uvicorn_config`; for a config
+    made elsewhere, at its first connection)."""
+    found: OpenConnections | None = getattr(config, OPEN, None)
+    if found is None:
+        found = OpenConnections(getattr(config, LIMITS, None) or ServerSettings())
+        setattr(config, OPEN, found)
+    return found
+
+
+def _host(client: tuple[str, int] | None) -> str:
+    return client[0] if client else ""
 
 
 class BoundedHeaders(HttpToolsProtocol):
@@ -69,16 +182,13 @@ class BoundedHeaders(HttpToolsProtocol):
     bytes received while the headers are not complete, which stops one endless
     header the parser would keep buffering."""
 
-    #: the connections open now, by client address (of this process)
-    _open: ClassVar[dict[str, set[asyncio.BaseTransport]]] = {}
-
     def __init__(self, config: Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         limits: ServerSettings = getattr(config, LIMITS, None) or ServerSettings()
         self.header_timeout = limits.header_timeout_seconds
         self.body_timeout = limits.body_timeout_seconds
-        self.max_per_address = limits.max_connections_per_address
-        self.trusted = frozenset(limits.trusted_proxies)
+        self.open_connections = open_connections(config)
+        self._counted = False
         self.max_header_bytes = config.h11_max_incomplete_event_size or 16384
         self._in_body = False
         self._too_large = False
@@ -91,25 +201,18 @@ class BoundedHeaders(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        host = self.client[0] if self.client else ""
-        if host and self.max_per_address and host not in self.trusted:
-            open_now = {t for t in self._open.get(host, ()) if not t.is_closing()}
-            if len(open_now) >= self.max_per_address:
-                transport.write(TOO_MANY % (len(TOO_MANY_BODY), TOO_MANY_BODY))
-                transport.close()
-                return
-            open_now.add(transport)
-            self._open[host] = open_now
+        if not self.open_connections.admit(_host(self.client), transport):
+            transport.write(TOO_MANY % (len(TOO_MANY_BODY), TOO_MANY_BODY))
+            transport.close()
+            return
+        self._counted = True
         self._arm(self.header_timeout, self._headers_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        host = self.client[0] if self.client else ""
-        open_now = self._open.get(host)
-        if open_now is not None:
-            open_now.discard(self.transport)
-            if not open_now:
-                del self._open[host]
+        if self._counted:
+            self._counted = False
+            self.open_connections.release(_host(self.client), self.transport)
         super().connection_lost(exc)
 
     def _arm(self, seconds: float, late: Any) -> None:
@@ -171,10 +274,10 @@ class BoundedHeaders(HttpToolsProtocol):
         super().on_header(name, value)
 
     def send_400_response(self, msg: str) -> None:
-        if not self._too_large:
-            super().send_400_response(msg)
-            return
-        self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
+        if self._too_large:
+            self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
+        else:  # what the parser refused, in the protocol's shape
+            self.transport.write(UNREADABLE % (len(UNREADABLE_BODY), UNREADABLE_BODY))
         self.transport.close()
 
     def on_headers_complete(self) -> None:
@@ -194,17 +297,45 @@ class BoundedHeaders(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         self._disarm()  # the WebSocket protocol takes the connection from here
         super().handle_websocket_upgrade()
+        if self._counted and not isinstance(self.transport.get_protocol(), BoundedWebSocket):
+            # a WebSocket protocol that will not give its place back when it ends:
+            # the connection is not counted from here rather than counted for ever
+            self.open_connections.release(_host(self.client), self.transport)
+        # from here the connection's end is the WebSocket protocol's to tell
+        self._counted = False
 
 
-#: the attribute of uvicorn's config that holds the server's settings
-LIMITS = "server_limits"
+class BoundedWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's Sans-I/O WebSocket protocol, giving back its connection's place in
+    its address's count (`OpenConnections`) when the connection ends; and answering
+    a handshake the `websockets` library refuses (a request line or header longer than
+    its 8 KiB, which the HTTP protocol's bound lets through): uvicorn would leave that
+    connection open and silent for as long as the client holds it."""
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        refused = self.conn.handshake_exc
+        if refused is None or self.handshake_complete:
+            return
+        self.conn.data_to_send()  # its plain-text refusal: ours is JSON
+        self.handshake_complete = self.close_sent = True
+        if isinstance(refused, SecurityError):  # a line, or the headers, too long
+            self.transport.write(TOO_LARGE % (len(TOO_LARGE_BODY), TOO_LARGE_BODY))
+        else:
+            self.transport.write(UNREADABLE % (len(UNREADABLE_BODY), UNREADABLE_BODY))
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        open_connections(self.config).release(_host(self.client), self.transport)
+        super().connection_lost(exc)
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> Config:
     """uvicorn's config for `app` (an app, or an import string) with `uvicorn_options`,
-    carrying the server's settings for `BoundedHeaders`."""
+    carrying the server's settings and its count of connections for `BoundedHeaders`."""
     config = Config(app, **{**uvicorn_options(settings), **overrides})
     setattr(config, LIMITS, settings.server)
+    setattr(config, OPEN, OpenConnections(settings.server))
     return config
 
 
@@ -216,7 +347,10 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "port": server.port,
         "http": BoundedHeaders,
         "h11_max_incomplete_event_size": server.max_header_bytes,
-        "ws": "websockets-sansio",
+        "ws": BoundedWebSocket,
+        # a start-up that fails (a refused middleware, a store that cannot be
+        # opened) stops the server, whatever the app's lifespan looks like
+        "lifespan": "on",
         "log_config": None,
         "access_log": False,
         "proxy_headers": True,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from app.serving import BoundedHeaders
+from app.serving import BoundedHeaders, BoundedWebSocket
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ class ServerThread(Loopback):
         self.port = self.sock.getsockname()[1]
         options = {
             "log_level": "warning",
-            "ws": "websockets-sansio",
+            "ws": BoundedWebSocket,
             "http": BoundedHeaders,
             "lifespan": "on",
         }

@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 import time
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -523,3 +524,298 @@ def test_query_parameters_and_headers_never_make_a_500(fuzz_server, limit, since
             assert answer.status_code < 500, (answer.request.url, answer.status_code, answer.text)
             if answer.status_code >= 400:
                 assert answer.json()["type"] == "error", answer.text
+
+
+# -- headers and query parameters, over raw sockets, with auth off and on ------------------------
+
+#: hostile values for any header or query parameter: the above, plus huge ones, NULs,
+#: control characters and Unicode digits (sent as their UTF-8 bytes)
+hostile_value = st.one_of(
+    hostile_text,
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "Bearer ",
+            "Bearer \x00",
+            "bearer ²",
+            "Basic Zm9vOmJhcg==",
+            "a=1; a=2; =; ;;",
+            "session=" + "A" * 5000,
+            "null",
+            "http://evil.example",
+            "https://evil.example:99999",
+            "application/json; charset=\x00",
+            "text/plain",
+            "multipart/form-data; boundary=",
+            "1, 2",
+            "-5",
+            "0x10",
+            "٣",
+            "9" * 5000,
+            "x" * 20000,
+            "\r\nX-Injected: 1",
+            "1.2.3.4, ²",
+            "::1, 999.999.999.999",
+        ]
+    ),
+)
+#: the fuzzed headers, each with a value a client would send (the key of the server
+#: with auth on): a request has each left out, as a client sends it, or hostile
+FUZZED_HEADERS = {
+    "authorization": "Bearer fuzz-key",
+    "cookie": "theme=dark",
+    "origin": "http://127.0.0.1",
+    "content-type": "application/json",
+    "x-forwarded-for": "203.0.113.7",
+}
+CHAT = orjson.dumps(chat_body("fuzz #tokens=1 #reasoning=0"))
+
+
+@pytest.fixture(scope="module")
+def fuzz_servers(tmp_path_factory, fake_model_server, fake_search_server):
+    """The fuzzed server with auth off, and with accounts (and a static key) on; short
+    header and body timeouts, so a request that claims more than it sends ends soon."""
+    from app.config import ServerSettings, Settings
+
+    model, model_thread = fake_model_server
+    search, _ = fake_search_server
+    folder = tmp_path_factory.mktemp("fuzz-raw")
+    base = Settings().replace(
+        llm={"base_url": model_thread.url + "/v1", "api_key": model.api_key, "model": "m"},
+        tavily={"api_key": search.api_key, "base_url": search.base_url + "/tavily"},
+        reader={"base_url": search.base_url + "/jina"},
+        limits={"max_concurrent_generations": 0, "ws_messages_per_second": 0},
+        collections={"url": f"tantivy:///{folder}/collections"},
+    )
+    limits = ServerSettings(header_timeout_seconds=2.0, body_timeout_seconds=0.5)
+    off = base.replace(store={"url": f"sqlite:///{folder}/off.db"})
+    on = base.replace(
+        store={"url": f"sqlite:///{folder}/on.db"},
+        auth={"mode": "accounts", "api_keys": {"fuzz-key": "1"}},
+    )
+    with (
+        serve(create_app(off), limits=limits) as without,
+        serve(create_app(on), limits=limits) as with_auth,
+    ):
+        yield {"off": without, "on": with_auth}
+
+
+def _bytes(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
+
+
+def exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes] | None:
+    """Send one request (`connection: close`) and read the answer to its end: status,
+    headers, body (de-chunked); None when the server closed without a word."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before it was all sent (a 431): its answer is read below
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    if not got:
+        return None
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = dechunked(body)
+    return status, headers, body
+
+
+def dechunked(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out, body = out + rest[:size], rest[size + 2 :]
+    return out
+
+
+def claims_more_than_it_sends(length: str | None, body: bytes) -> bool:
+    """A Content-Length the parser takes that is larger than the body sent: the server
+    rightly waits for the rest (and closes at its body timeout)."""
+    text = length.strip() if length is not None else ""
+    return text.isascii() and text.isdigit() and len(body) < int(text) < 2**63
+
+
+def check_raw_answer(answer: tuple[int, dict[bytes, bytes], bytes] | None, path: str) -> None:
+    """A well-formed answer: never a 500, and every refusal JSON in the protocol's shape
+    (OpenAI's under /v1/, where the server's own refusals of the connection are ours)."""
+    assert answer is not None, f"{path}: closed without an answer"
+    status, headers, body = answer
+    assert status != 500 and 200 <= status < 600, (path, status, body[:300])
+    if status < 400:
+        return
+    assert headers.get(b"content-type", b"").startswith(b"application/json"), (path, status, body)
+    parsed = orjson.loads(body)
+    if "error" in parsed and path.startswith("/v1/"):
+        assert parsed["error"]["message"], parsed
+    else:
+        assert parsed["type"] == "error" and parsed["key"] in KEYS and parsed["data"], parsed
+
+
+def raw_request(
+    method: str,
+    target: bytes,
+    headers: dict[str, str | None],
+    body: bytes = b"",
+    length: str | None = None,
+) -> bytes:
+    lines = [b"%s %s HTTP/1.1" % (method.encode(), target), b"host: fuzz"]
+    for name, value in headers.items():
+        if value is not None:
+            lines.append(name.encode() + b": " + _bytes(value))
+    if method == "POST":
+        lines.append(
+            b"content-length: " + (_bytes(length) if length is not None else b"%d" % len(body))
+        )
+    lines.append(b"connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def query(raw: bool, **params: str) -> bytes:
+    """A query string of `params`: percent-encoded, or (`raw`) their bytes as they are
+    (a request line the parser may refuse)."""
+    if raw:
+        return b"&".join(k.encode() + b"=" + _bytes(v) for k, v in params.items())
+    return "&".join(f"{k}={quote(v, safe='')}" for k, v in params.items()).encode()
+
+
+@given(
+    auth=st.sampled_from(["off", "on"]),
+    headers=st.fixed_dictionaries(
+        {
+            name: st.one_of(st.none(), st.just(usual), hostile_value)
+            for name, usual in FUZZED_HEADERS.items()
+        }
+    ),
+    length=st.one_of(st.none(), st.none(), hostile_value),
+    params=st.fixed_dictionaries(
+        {
+            name: hostile_value
+            for name in ("format", "token", "chatModel", "starting_after", "stream", "sig")
+        }
+    ),
+    raw_query=st.booleans(),
+    body=st.one_of(st.just(CHAT), st.sampled_from([b"", b"{}"]), st.binary(max_size=60)),
+)
+@hyp_settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_hostile_headers_and_query_parameters_get_well_formed_answers(
+    fuzz_servers, auth, headers, length, params, raw_query, body
+):
+    """Authorization, Cookie, Origin, Content-Type, Content-Length and X-Forwarded-For
+    with any value, and the query parameters routes read (`format`, `token`,
+    `chatModel`, `starting_after`, `stream`, `sig`), on every kind of route, auth off and
+    on: a JSON refusal or an answer, never a 500, a plain-text page or silence."""
+    port = fuzz_servers[auth].port
+    p = params
+    posts = [
+        ("/api/chat/sse", query(raw_query, format=p["format"], chatModel=p["chatModel"])),
+        ("/v1/chat/completions", b""),
+    ]
+    for path, qs in posts:
+        target = path.encode() + (b"?" + qs if qs else b"")
+        answer = exchange(port, raw_request("POST", target, headers, body, length))
+        if answer is None and claims_more_than_it_sends(length, body):
+            continue
+        check_raw_answer(answer, path)
+    gets = [
+        (
+            "/api/chat/sse/resume",
+            query(raw_query, chatId="c1", format=p["format"], token=p["token"]),
+        ),
+        (
+            "/v1/responses/resp_fuzz",
+            query(raw_query, stream=p["stream"], starting_after=p["starting_after"]),
+        ),
+        ("/sources/1", query(raw_query, token=p["token"], sig=p["sig"])),
+        ("/api/collections/1/imports/2", query(raw_query, stream=p["stream"])),
+        ("/api/chats", query(raw_query, limit=p["starting_after"], token=p["token"])),
+    ]
+    get_headers = {k: v for k, v in headers.items() if k != "content-type"}
+    for path, qs in gets:
+        answer = exchange(port, raw_request("GET", path.encode() + b"?" + qs, get_headers))
+        check_raw_answer(answer, path)
+
+
+@given(
+    auth=st.sampled_from(["off", "on"]),
+    params=st.fixed_dictionaries(
+        {name: hostile_value for name in ("token", "format", "chatModel")}
+    ),
+)
+@hyp_settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_hostile_websocket_query_parameters_get_error_frames(fuzz_servers, auth, params):
+    """`token`, `format` and `chatModel` of a WebSocket's URL, with any value: the socket
+    opens, and says what is wrong in an error frame (then closes, for a bad token) — or,
+    for a handshake too large to read, is refused with a JSON 431."""
+    from httpx_ws import WebSocketUpgradeError, connect_ws
+
+    server = fuzz_servers[auth]
+    with httpx.Client(timeout=20) as http:
+        url = server.ws_url + "/api/chat/ws?" + query(False, **params).decode()
+        try:
+            with connect_ws(url, http) as ws:
+                _chat_over(ws)
+        except WebSocketUpgradeError as refused:
+            answer = refused.response
+            assert answer.status_code == 431, answer.status_code
+            assert answer.headers["content-type"] == "application/json"
+
+
+def _chat_over(ws: Any) -> None:
+    """Ask one question over an open WebSocket: every frame JSON, an error frame with a
+    known key (never INTERNAL), until its end; a close after an error frame is fine."""
+    from httpx_ws import WebSocketDisconnect
+
+    try:
+        first = orjson.loads(ws.receive_text())
+        assert first["type"] in ("signal", "error"), first
+        if first["type"] == "error":
+            assert first["key"] in KEYS
+            return
+        ws.send_text(CHAT.decode())
+        while True:
+            frame = orjson.loads(ws.receive_text())
+            assert "type" in frame
+            if frame["type"] == "error":
+                assert frame["key"] in KEYS and frame["key"] != "INTERNAL", frame
+                return
+            if frame["type"] == "messageEnd":
+                return
+    except WebSocketDisconnect:
+        pass  # refused (a bad token): its error frame came first
+
+
+@given(value=st.none() | hostile_value | st.text(alphabet="/\\\t\r\n .:@%2fFeE", max_size=20))
+@hyp_settings(max_examples=300, deadline=None)
+def test_where_a_sign_in_goes_next_is_always_this_server(value):
+    """`?next=` of a sign-in, whatever it holds, sends the browser to a path of this
+    server: the redirect as Starlette writes it, read as a browser reads it (tabs and
+    newlines dropped, backslashes as slashes)."""
+    from urllib.parse import urljoin, urlsplit
+
+    from starlette.responses import RedirectResponse
+
+    from app.transport.auth_routes import _next
+
+    location = RedirectResponse(_next(value)).headers["location"]
+    as_read = location.translate({9: None, 10: None, 13: None}).replace("\\", "/")
+    assert urlsplit(urljoin("https://chat.example/signin", as_read)).netloc == "chat.example"

@@ -97,6 +97,7 @@ class ChatService:
             sources_link=self.sources_link,
         )
         self._generations: dict[str, Generation] = {}
+        self._starting = 0  # starts under way: places taken under the process's cap
         self._runs: dict[str, asyncio.Task[None]] = {}  # answer id → its `run()`
         self._link_key = b""
         self.accepting = True
@@ -122,11 +123,22 @@ class ChatService:
         if not self.accepting:
             raise Unavailable("the server is restarting; try again", retry_after=1)
         cap = self.settings.limits.max_generations_per_process
-        if cap and len(self._generations) >= cap:
+        if cap and len(self._generations) + self._starting >= cap:
             raise Unavailable(
                 f"this server is answering {cap} questions already; try again shortly",
                 retry_after=2,
             )
+        # the place is taken now, before the first await: a burst of starts cannot all
+        # pass the check above while none has been added yet
+        self._starting += 1
+        try:
+            return await self._start(request)
+        finally:
+            self._starting -= 1
+
+    async def _start(self, request: ChatRequest) -> Handle:
+        """`start` once its place under the process's cap is taken; the generation is
+        in `_generations` when it returns."""
         if not self.llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
         chat_id = request.chat_id or self.ids.next_str()
@@ -263,8 +275,15 @@ class ChatService:
 
     async def ended_by(self, handle: Handle, seq: int) -> bool:
         """Whether the generation has ended at or before event `seq` (a resume from
-        there would get nothing)."""
-        if self.hub.local.runs(handle.answer_id):
+        there would get nothing). A log this process keeps says so at once; for
+        another process's, the registry says whether it still runs (one round trip),
+        and only an ended one's events are read."""
+        local = self.hub.local.log(handle.answer_id)
+        if local is not None:
+            events = local.events
+            return local.finished and bool(events) and seq >= events[-1].seq
+        (state,) = await self.hub.states([(handle.chat_id, handle.answer_id)])
+        if state != "gone":
             return False
         logged = await self.hub.logged(handle.answer_id)
         return bool(logged) and logged[-1].terminal and seq >= logged[-1].seq

@@ -9,6 +9,7 @@ message, so one test can pick it per request:
     #wait=S        seconds before the first chunk
     #keepalive=N   N ": keep-alive" comments before the first token
     #fail=CODE     answer HTTP CODE with an OpenAI-style error body
+    #echo=CODE     answer HTTP CODE with an error that quotes the question (a moderation refusal)
     #flaky=CODE    answer CODE (with Retry-After: 0.2) the first time this message is asked
     #break=N       drop the connection after N content tokens
     #malformed=N   send a malformed chunk after N content tokens
@@ -194,6 +195,9 @@ class FakeModel:
         script = {name: value for name, value in DIRECTIVE.findall(last_user)}
         if "fail" in script:
             return _error(int(script["fail"]), f"fake failure {script['fail']}")
+        if "echo" in script:  # a refusal that quotes the prompt, as moderation errors may
+            quoted = DIRECTIVE.sub("", last_user).strip()
+            return _error(int(script["echo"]), f"Your request '{quoted}' was flagged")
         if "flaky" in script and last_user not in self.flaked:
             self.flaked.add(last_user)
             return _error(int(script["flaky"]), "fake flaky failure", {"Retry-After": "0.2"})
