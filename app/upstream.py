@@ -129,7 +129,7 @@ class Connection(asyncio.Protocol):
         if consumer is not None:
             try:
                 consumer(body)
-            except BaseException as exc:  # the reader's own error: it ends the response
+            except Exception as exc:  # the reader's own error: it ends the response
                 self.consumer = None
                 self.fail(exc)
             return
