@@ -61,6 +61,7 @@ def fake_model(fake_model_server: tuple[FakeModel, ServerThread]) -> FakeModel:
     model.tool_streams.clear()
     model.tools_refused = model.tools_ignored = False
     model.tool_delay = 0.0
+    model.embedding_delay = 0.0
     model.context_limit = None
     return model
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..chores import Chores
-from ..collections.service import STOPPED as DOCUMENT_LOST
 from ..errors import AppError, Unavailable
 from ..events import Event
 from ..store import Checkpoint, Saved, Store, StoredMessage
@@ -259,14 +258,6 @@ class AnswerKeeper:
         files = await self.store.fail_orphaned_files(FILE_LOST, time.time() - FILE_GRACE)
         if files:
             log.info("marked %d uploads left indexing by a stopped process as failed", files)
-        documents = await self.store.fail_orphaned_documents(
-            DOCUMENT_LOST, time.time() - FILE_GRACE
-        )
-        if documents:
-            log.info(
-                "marked %d collection documents left indexing by a stopped process as failed",
-                documents,
-            )
         return closed
 
     async def _close_orphan(self, answer: StoredMessage, logged: list[Event]) -> int:

@@ -86,6 +86,7 @@ class FakeModel:
     tools_refused: bool = False
     tools_ignored: bool = False
     tool_delay: float = 0.0
+    embedding_delay: float = 0.0  # seconds before an embeddings answer
     context_limit: int | None = None
     tool_streams: list[StreamRecord] = field(default_factory=list)
 
@@ -280,6 +281,8 @@ class FakeModel:
             return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        if self.embedding_delay:
+            await asyncio.sleep(self.embedding_delay)
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
         # as OpenAI does: base64 little-endian float32 when asked, else lists of floats
         packed = body.get("encoding_format") == "base64"
