@@ -836,6 +836,8 @@ async def test_import_progress_stream_says_retry_and_a_reconnect_after_the_end_i
             assert again.status_code == 204
             late = await h.get(url, params={"stream": "true"})  # first look, after the end
             assert late.status_code == 200 and '"done":3' in late.text
+            missed = await h.get(url, params={"stream": "true"}, headers={"last-event-id": "1"})
+            assert missed.status_code == 200 and "id: 3" in missed.text
 
 
 async def test_imports_running_at_once_are_capped_per_user_and_per_process(settings, fake_model):

@@ -154,16 +154,17 @@ async def delete_document(request: Request) -> Response:
 async def import_progress(request: Request) -> Response:
     """`{"done", "total", "failed"}`; with `?stream=true` SSE: `retry:` once, then a
     `progress` event (its `id` the documents ended) per change until the import has
-    ended. A reconnect (`Last-Event-ID`, or `?lastEventId=`) to an import that has
-    ended is `204 No Content`, which stops a browser's EventSource (as §5's resume)."""
+    ended. A reconnect (`Last-Event-ID`, or `?lastEventId=`) at or past the end of an
+    import that has ended is `204 No Content`, which stops a browser's EventSource
+    (as §5's resume); one that missed the end gets it, then the stream closes."""
     service, user_id, collection_id = _service(request), _user(request), _id(request)
     import_id = parse_id(request.path_params["import_id"], "importId")
     first = await service.progress(user_id, collection_id, import_id)
     if request.query_params.get("stream", "").lower() not in ("true", "1", "yes"):
         return JSONResponse(first.to_json())
     last_id = request.headers.get("last-event-id") or request.query_params.get("lastEventId")
-    if first.ended and last_id is not None:
-        return Response(status_code=204)
+    if first.ended and last_id is not None and last_id.isdigit() and int(last_id) >= first.done:
+        return Response(status_code=204)  # it has seen the end
     retry_ms = request.app.state.settings.stream.retry_ms
 
     async def events() -> AsyncIterator[bytes]:
