@@ -96,7 +96,10 @@ async def open_service(
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
         lease = WorkerLease(the_store, ids)
-        engine = open_engine(settings.collections.url)
+        engine = open_engine(
+            settings.collections.url,
+            vector_cache_bytes=settings.collections.vector_cache_mb << 20,
+        )
         await stack.enter_async_context(engine)
         retriever = Retriever(settings.collections, engine=engine, embedder=embedder)
         stack.push_async_callback(retriever.aclose)
@@ -118,6 +121,7 @@ async def open_service(
             ids=ids,
             indexer=lease.token,
         )
+        await knowledge.open()
         stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
@@ -259,6 +263,11 @@ def create_app(
             methods=["GET"],
         ),
         Route("/api/collections/{collection_id}/search", collections.search, methods=["POST"]),
+        Route("/api/groups", collections.my_groups, methods=["GET"]),
+        Route("/api/admin/groups", collections.admin_groups, methods=["GET"]),
+        Route("/api/admin/groups", collections.admin_create_group, methods=["POST"]),
+        Route("/api/admin/groups/{group_id}", collections.admin_change_group, methods=["PATCH"]),
+        Route("/api/admin/groups/{group_id}", collections.admin_delete_group, methods=["DELETE"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
