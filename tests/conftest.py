@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -11,13 +12,14 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
+from redis.crc import key_slot
 
 from app.config import Settings
 from app.main import create_app
@@ -192,7 +194,9 @@ class RedisCluster:
                 port=_cluster_port(),
                 args=("--cluster-enabled", "yes", "--cluster-node-timeout", "1000")
                 + ("--cluster-config-file", "nodes.conf")
-                + ("--cluster-replica-validity-factor", "0"),
+                + ("--cluster-replica-validity-factor", "0")
+                # a replica's first sync starts at once, not 5 s later
+                + ("--repl-diskless-sync-delay", "0"),
             )
             for _ in range(masters * (replicas + 1))
         ]
@@ -259,6 +263,22 @@ class RedisCluster:
                 client.close()
         raise LookupError(key)
 
+    def ids_on(self, node: RedisServer, key: Callable[[str], str], count: int = 1) -> list[str]:
+        """`count` ids whose `key(id)` the master `node` serves now."""
+        client = redis.Redis(port=node.port, socket_timeout=1)
+        try:
+            ranges = _own_slots(client)
+        finally:
+            client.close()
+        found = []
+        for n in itertools.count(1):
+            slot = key_slot(key(str(n)).encode())
+            if any(first <= slot <= last for first, last in ranges):
+                found.append(str(n))
+                if len(found) == count:
+                    return found
+        raise AssertionError("unreachable")
+
     def replica_of(self, master: RedisServer) -> RedisServer:
         client = redis.Redis(port=master.port, socket_timeout=1)
         try:
@@ -267,6 +287,42 @@ class RedisCluster:
             client.close()
         port = int(replicas["slave0"]["port"])
         return next(node for node in self.nodes if node.port == port)
+
+    def kill(self, master: RedisServer) -> RedisServer:
+        """Kill `master` outright and wait until its replica serves its slots (the
+        cluster ok again); the replica."""
+        replica = self.replica_of(master)
+        assert master.proc is not None
+        master.proc.kill()
+        master.proc.wait()
+        master.proc = None
+        deadline = time.monotonic() + 30
+        while replica not in self.masters():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica of {master.port} took over")
+            time.sleep(0.1)
+        self.wait_ok()
+        return replica
+
+    def revive(self, node: RedisServer) -> None:
+        """Start a killed node again: it rejoins as a replica of the one that took over
+        its slots, once it has its data."""
+        node.start()
+        deadline = time.monotonic() + 30
+        while True:
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                info = client.info("replication")
+            except (redis.RedisError, OSError):
+                info = {}
+            finally:
+                client.close()
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{node.port} did not come back as a replica: {info}")
+            time.sleep(0.1)
+        self.wait_ok()
 
     def flush(self) -> None:
         for node in self.masters():
@@ -321,6 +377,24 @@ def redis_cluster(redis_cluster_server: RedisCluster) -> RedisCluster:
     """The shared three-master Redis Cluster, emptied for this test."""
     redis_cluster_server.flush()
     return redis_cluster_server
+
+
+@pytest.fixture(scope="session")
+def replicated_cluster_server() -> Iterator[RedisCluster]:
+    with RedisCluster(replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def replicated_cluster(replicated_cluster_server: RedisCluster) -> Iterator[RedisCluster]:
+    """A shared three-master Redis Cluster with a replica each, emptied for this test,
+    for failovers: a master the test `kill`s is revived as a replica afterwards."""
+    cluster = replicated_cluster_server
+    cluster.flush()
+    yield cluster
+    for node in cluster.nodes:
+        if node.proc is None:
+            cluster.revive(node)
 
 
 def _pg_binary(name: str) -> str | None:
@@ -463,15 +537,33 @@ def asyncio_run_in_thread(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+#: the Redis topologies the cross-process tests run on: one Redis, and a three-master
+#: Redis Cluster (`@BOTH_TOPOLOGIES` on a test that asks for `topology`)
+TOPOLOGIES = ("redis", "cluster")
+BOTH_TOPOLOGIES = pytest.mark.parametrize("topology", TOPOLOGIES, indirect=True)
+
+
 @pytest.fixture
-def hosts_env(model_url, fake_search, postgres_server, redis_url):
-    """Two "hosts" share one Postgres database and one Redis."""
+def topology(request: pytest.FixtureRequest) -> dict[str, str]:
+    """What points the server at Redis — `REDIS_URL` and `REDIS_CLUSTER` — for one
+    Redis (emptied for this test), or (parametrised with "cluster") for a node of
+    the shared three-master Redis Cluster (emptied too)."""
+    if getattr(request, "param", "redis") == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return {"REDIS_URL": cluster.url, "REDIS_CLUSTER": "true"}
+    return {"REDIS_URL": request.getfixturevalue("redis_url"), "REDIS_CLUSTER": "false"}
+
+
+@pytest.fixture
+def hosts_env(model_url, fake_search, postgres_server, topology):
+    """Two "hosts" share one Postgres database and one Redis (or Redis Cluster: see
+    `topology`)."""
     return {
+        **topology,
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-chat",
         "STORE_URL": new_database(postgres_server),
-        "REDIS_URL": redis_url,
         "STREAM_HANDLE_TTL_SECONDS": "3",
         "LIMITS_MAX_CONCURRENT_GENERATIONS": "0",
         "SEARCH_PROVIDER": "tavily",
