@@ -48,7 +48,7 @@ from .base import (
     too_many,
 )
 from .claims import RECOVERING, TAKEN, Claims, end_in
-from .connect import close_redis, cluster_client, is_cluster, refresh_cluster
+from .connect import blocking_client, close_redis, is_cluster, refresh_cluster
 from .follower import BUSY_SECONDS, WATCH_EVERY, follow
 from .journal import Journal, Plan
 from .recovery import Recovery, recovering
@@ -77,22 +77,6 @@ async def unavailable(seconds: float = OPERATION_SECONDS * 2) -> AsyncIterator[N
     except (RedisError, OSError, TimeoutError) as exc:
         log.warning("redis is unavailable: %r", exc)
         raise Unavailable("the stream registry is unavailable; try again shortly") from exc
-
-
-def blocking_client(redis: Any) -> Any:
-    """A client on connections of its own, with the same address(es) and options as
-    `redis`, for reads that wait on Redis (XREAD BLOCK, pub/sub); each wait is bounded
-    by the caller (see `open_redis` on why not by a socket timeout)."""
-    import redis.asyncio as aioredis
-
-    if is_cluster(redis):
-        return cluster_client(redis)
-    options = dict(redis.connection_pool.connection_kwargs)
-    options["socket_timeout"] = None
-    pool = aioredis.ConnectionPool(
-        connection_class=redis.connection_pool.connection_class, **options
-    )
-    return aioredis.Redis.from_pool(pool)
 
 
 class RedisHub(StreamHub):
