@@ -397,6 +397,116 @@ def replicated_cluster(replicated_cluster_server: RedisCluster) -> Iterator[Redi
             cluster.revive(node)
 
 
+class RedisSentinelGroup:
+    """A real Redis master with a replica, watched by a real Redis Sentinel (quorum
+    1), on loopback; `url` names the sentinel and the service, as the server is
+    configured. The master can be killed (`kill`): the sentinel promotes the replica."""
+
+    SERVICE = "main"
+
+    def __init__(self) -> None:
+        self.master = RedisServer()
+        self.replica = RedisServer(args=("--replicaof", "127.0.0.1", str(self.master.port)))
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="sentineltest-")
+        self.url = f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisSentinelGroup:
+        self.master.start()
+        self.replica.start()
+        config = Path(self.dir) / "sentinel.conf"  # the sentinel rewrites it
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+        )
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", str(config), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+        self.wait_for(lambda s: s.sentinel_slaves(self.SERVICE))  # it knows the replica
+        return self
+
+    def wait_for(self, found: Callable[[redis.Redis], Any], timeout: float = 30) -> Any:
+        """Until `found(sentinel client)` says something true."""
+        deadline = time.monotonic() + timeout
+        while True:
+            client = redis.Redis(port=self.port, socket_timeout=1, decode_responses=True)
+            try:
+                value = found(client)
+            except (redis.RedisError, OSError):
+                value = None
+            finally:
+                client.close()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError("the sentinel did not see it happen")
+            time.sleep(0.1)
+
+    def master_port(self) -> int:
+        return int(self.wait_for(lambda s: s.sentinel_get_master_addr_by_name(self.SERVICE))[1])
+
+    def kill(self) -> None:
+        """Kill the master outright and wait until the sentinel names the replica."""
+        assert self.master.proc is not None
+        self.master.proc.kill()
+        self.master.proc.wait()
+        self.master.proc = None
+        self.wait_for(
+            lambda s: int(s.sentinel_get_master_addr_by_name(self.SERVICE)[1]) == self.replica.port
+        )
+        client = redis.Redis(port=self.replica.port, socket_timeout=1)
+        try:  # and the replica knows it is the master now
+            deadline = time.monotonic() + 30
+            while client.info("replication")["role"] != "master":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the replica was not promoted")
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+    def flush(self) -> None:
+        client = redis.Redis(port=self.master_port(), socket_timeout=2)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+        for server in (self.master, self.replica):
+            server.stop()
+            shutil.rmtree(server.dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisSentinelGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_server() -> Iterator[RedisSentinelGroup]:
+    with RedisSentinelGroup() as group:
+        yield group
+
+
+@pytest.fixture
+def redis_sentinel(redis_sentinel_server: RedisSentinelGroup) -> RedisSentinelGroup:
+    """The shared Redis master and replica under a Redis Sentinel, emptied for this test."""
+    redis_sentinel_server.flush()
+    return redis_sentinel_server
+
+
 def _pg_binary(name: str) -> str | None:
     found = shutil.which(name)
     if found:

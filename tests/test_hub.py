@@ -23,7 +23,7 @@ from app.streams import rediskeys as keys
 from app.streams.connect import cluster_client
 from app.streams.memory import MemoryHub
 from app.streams.redis import RedisHub
-from tests.conftest import RedisServer
+from tests.conftest import RedisSentinelGroup, RedisServer
 
 pytestmark = pytest.mark.anyio
 
@@ -50,7 +50,7 @@ def target(request: pytest.FixtureRequest) -> tuple[str, bool]:
     return request.getfixturevalue("redis_url"), False
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+@pytest.fixture(params=["memory", "redis", "cluster", "sentinel"])
 async def hubs(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StreamHub, StreamHub]]:
     if request.param == "memory":
         hub = MemoryHub(replay_ttl=5)
@@ -59,6 +59,8 @@ async def hubs(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StreamHub,
         return
     if request.param == "cluster":
         url, cluster = request.getfixturevalue("redis_cluster").url, True
+    elif request.param == "sentinel":
+        url, cluster = request.getfixturevalue("redis_sentinel").url, False
     else:
         url, cluster = request.getfixturevalue("redis_url"), False
     async with (
@@ -669,3 +671,34 @@ async def test_redis_an_answer_whose_events_cannot_be_written_ends_alone_with_an
         assert [e.seq for e in good_read] == list(range(1, 12))
         assert [e.type for e in await other.logged("100")] == ["message", "error"]
         assert await other.lookup("1") is None  # its claim ended
+
+
+async def test_sentinel_a_master_killed_mid_stream_loses_nothing():
+    """A master with a replica under Redis Sentinel is killed mid-stream, and the
+    sentinel promotes the replica: the owner writes on (its connections ask the
+    sentinel where the master is now), a follower on another process gets every
+    event once and the end, and the chat stays claimed by its generation."""
+    with RedisSentinelGroup() as group:
+        async with (
+            redis_hub(group.url, flush_interval=0.01, handle_ttl=3) as owner,
+            redis_hub(group.url, handle_ttl=3) as other,
+        ):
+            h = handle(chat="41", answer="4100")
+            log = await owner.register(h, lambda: None)
+            reader = asyncio.create_task(collect(other, h, timeout=40))
+
+            async def write() -> None:
+                for i in range(1, 251):
+                    log.append(Event("message", "41", "4100", {"data": str(i)}, i))
+                    await asyncio.sleep(0.02)
+
+            writer = asyncio.create_task(write())
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(group.kill)
+            await writer
+            assert (await other.lookup("41")) == h
+            await owner.finish(h, Event("messageEnd", "41", "4100", {"status": "completed"}, 251))
+            got = await reader
+            assert [e.seq for e in got] == list(range(1, 252))
+            assert got[-1].type == "messageEnd"
+            assert [e.seq for e in await other.logged("4100")] == list(range(1, 252))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -12,7 +13,7 @@ from httpx_ws import aconnect_ws
 
 from app.streams import rediskeys
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
-from tests.conftest import USER
+from tests.conftest import USER, RedisSentinelGroup
 from tests.servers import processes
 
 pytestmark = pytest.mark.anyio
@@ -309,16 +310,33 @@ async def test_cancel_on_another_process_stops_a_background_response(pair, fake_
     assert record.outcome == "client_closed" and record.tokens_sent < 2000
 
 
-async def test_a_cluster_master_killed_mid_stream_costs_its_clients_nothing(
-    replicated_cluster, tmp_path, model_url, fake_model
+@pytest.mark.parametrize("redis", ["cluster", "sentinel"])
+async def test_a_master_killed_mid_stream_costs_its_clients_nothing(
+    request, redis, tmp_path, model_url, fake_model
 ):
-    """Two server processes on a Redis Cluster with a replica per master: the master
-    that holds a running answer's handle and log is killed mid-stream, and its replica
-    takes over. The client on the owner and a follower on the other process each get
-    every event once, in order, and the end; the answer is saved whole."""
+    """Two server processes on a Redis Cluster with a replica per master — or on a
+    master and its replica under Redis Sentinel —: the master that holds a running
+    answer's handle and log is killed mid-stream, and its replica takes over. The
+    client on the owner and a follower on the other process each get every event
+    once, in order, and the end; the answer is saved whole."""
+    stack = contextlib.ExitStack()
+    if redis == "cluster":
+        cluster = request.getfixturevalue("replicated_cluster")
+        url = cluster.url
+
+        def kill(answer_id: str) -> None:
+            cluster.kill(cluster.node_of(rediskeys.log(answer_id)))
+
+    else:
+        group = stack.enter_context(RedisSentinelGroup())  # its own: its master dies
+        url = group.url
+
+        def kill(answer_id: str) -> None:
+            group.kill()
+
     env = {
-        "REDIS_CLUSTER": "true",
-        "REDIS_URL": replicated_cluster.url,
+        "REDIS_CLUSTER": "true" if redis == "cluster" else "false",
+        "REDIS_URL": url,
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-chat",
@@ -327,7 +345,7 @@ async def test_a_cluster_master_killed_mid_stream_costs_its_clients_nothing(
         "STREAM_FLUSH_INTERVAL_MS": "10",
     }
     tokens = 400
-    with processes(2, env) as (a, b):
+    with stack, processes(2, env) as (a, b):
         async with httpx.AsyncClient(timeout=30, event_hooks=USER) as http:
             body = chat_body(f"long #tokens={tokens} #delay=0.01", chatId="960")
             async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
@@ -339,9 +357,7 @@ async def test_a_cluster_master_killed_mid_stream_costs_its_clients_nothing(
                 ) as followed:
                     follower = iter_sse(followed)
                     followed_head = await read_events(follower, 2)
-                    answer_id = head[0].data["messageId"]
-                    master = replicated_cluster.node_of(rediskeys.log(answer_id))
-                    await asyncio.to_thread(replicated_cluster.kill, master)
+                    await asyncio.to_thread(kill, head[0].data["messageId"])
                     owner_tail = await rest(owner)
                     follower_tail = followed_head + await rest(follower)
             events = head + owner_tail

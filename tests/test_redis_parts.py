@@ -16,7 +16,7 @@ from app.streams import close_redis, open_redis
 from app.streams import rediskeys as keys
 from app.streams.base import GenerationLog
 from app.streams.claims import CLAIMED, RECOVERING, TAKEN, Claims
-from app.streams.connect import BLOCKING_CONNECTIONS, cluster_client
+from app.streams.connect import BLOCKING_CONNECTIONS, blocking_client, cluster_client
 from app.streams.follower import follow
 from app.streams.journal import Journal
 from app.streams.recovery import Recovery
@@ -334,3 +334,48 @@ async def test_a_follower_of_an_answer_whose_process_died_ends_with_an_error(cli
         "key": "STREAM_ERROR",
         "data": "generation lost: its server process stopped",
     }
+
+
+async def test_a_sentinel_url_names_the_sentinels_the_service_and_the_masters_credentials():
+    client = open_redis(
+        "redis+sentinel://app:p%40ss@10.0.0.5:26379,10.0.0.6:26380/main/2?sentinel_password=s3"
+    )
+    await close_redis(client)  # it has not connected anywhere
+    pool = client.connection_pool
+    watchers = pool.sentinel_manager
+    assert pool.service_name == "main"
+    assert [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in watchers.sentinels
+    ] == [("10.0.0.5", 26379), ("10.0.0.6", 26380)]
+    assert watchers.sentinel_kwargs["password"] == "s3"
+    kwargs = pool.connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("app", "p@ss", 2)
+    for url, message in (
+        ("redis+sentinel://10.0.0.5:26379", "names the service"),
+        ("redis+sentinel://10.0.0.5/main", "host:port"),
+        ("redis+sentinel://10.0.0.5:26379/main?ssl=true", "unknown"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            open_redis(url)
+    with pytest.raises(ValueError, match="choose one"):
+        open_redis("redis+sentinel://10.0.0.5:26379/main", cluster=True)
+
+
+async def test_on_a_sentinels_master_claims_and_a_waiting_client_work(redis_sentinel):
+    """Through the sentinel: the master it names takes claims, and the hub's client for
+    reads that wait (its own sentinel clients) reaches the same master."""
+    client = open_redis(redis_sentinel.url)
+    waiting = blocking_client(client)
+    try:
+        claims = Claims(client, "p1", handle_ttl_ms=2000, keep_ms=60_000)
+        await client.set(keys.proc("p1"), b"1", px=5000)
+        h = handle("9", "90")
+        assert await claims.claim(h, keys.dump_handle(h), "u") == (CLAIMED, 1)
+        assert await waiting.get(keys.run("9")) == keys.dump_handle(h)
+        assert (
+            waiting.connection_pool.sentinel_manager is not client.connection_pool.sentinel_manager
+        )
+    finally:
+        await close_redis(waiting)
+        await close_redis(client)
