@@ -183,6 +183,7 @@ async def test_a_claim_that_fails_half_way_is_taken_back(client):
     h = handle("3", "30")
     with pytest.raises(RedisError, match="WRONGTYPE"):
         await claims.claim(h, keys.dump_handle(h), "u")
+    await claims.aclose()  # taken back in the background
     assert await client.get(keys.run("3")) is None
     assert await client.get(keys.gen("30")) is None
 

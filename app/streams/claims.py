@@ -80,13 +80,15 @@ class Claims:
         self.handle_ttl_ms = handle_ttl_ms
         self.keep_ms = keep_ms  # how long an answer's handle and pointers outlive its start
         self._locks: dict[str, Lock] = {}
+        self._letting_go: set[asyncio.Task[None]] = set()
 
     async def claim(self, handle: Handle, payload: bytes, cap_key: str) -> tuple[int, int]:
         """Claim the chat and count the cap key's running answers with this one:
         (CLAIMED | TAKEN | RECOVERING, running). Whatever fails once the claim may
-        have been set (a pipeline that raised, a deadline, a cancel) takes it back
-        before it raises, as far as Redis lets it: else the chat would answer
-        "already running" until the claim expired."""
+        have been set (a pipeline that raised, a deadline, a cancel) has it taken
+        back, as far as Redis lets it, in the background (the caller's error is not
+        held up by a Redis that does not answer): else the chat would answer
+        "already running" until the claim expired. `aclose` waits for that."""
         sent = False
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -117,15 +119,23 @@ class Claims:
             return CLAIMED, int(running)
         except BaseException:
             if sent:
-                await self._let_go(handle, payload, cap_key)
+                task = asyncio.get_running_loop().create_task(
+                    self._let_go(handle, payload, cap_key), name=f"unclaim {handle.chat_id}"
+                )
+                self._letting_go.add(task)
+                task.add_done_callback(self._letting_go.discard)
             raise
 
     async def _let_go(self, handle: Handle, payload: bytes, cap_key: str) -> None:
-        """`unclaim`, best effort, within a deadline of its own (the caller's may be
-        what expired)."""
+        """`unclaim`, best effort, within a deadline of its own."""
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(LET_GO_SECONDS):
                 await self.unclaim(handle, payload, cap_key)
+
+    async def aclose(self) -> None:
+        """Wait until the claims being taken back are (each within `LET_GO_SECONDS`)."""
+        if self._letting_go:
+            await asyncio.wait(set(self._letting_go))
 
     async def unclaim(self, handle: Handle, payload: bytes, cap_key: str) -> None:
         """A claim given up before its generation ran."""

@@ -166,6 +166,7 @@ class RedisHub(StreamHub):
             async with asyncio.timeout(self.timeout):
                 await self.flush()
         await self._chores.aclose()
+        await self.claims.aclose()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self.timeout):
                 await self.redis.delete(k.proc(self.token))
