@@ -1,4 +1,5 @@
-"""One contract for the stream hub (registry, cancel, event log), run on memory and Redis.
+"""One contract for the stream hub (registry, cancel, event log), run on memory and
+on Redis: one Redis, a three-master Redis Cluster, and a master under Redis Sentinel.
 
 For Redis, `other` is a second hub on the same server, as another process
 would have; for memory it is the same hub (one process is all it serves).
