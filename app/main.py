@@ -46,7 +46,7 @@ from .metrics import Metrics
 from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
-from .streams import open_hub, open_redis
+from .streams import close_redis, open_hub, open_redis
 from .transport import auth_routes, collections, openai, perplexica, responses, sse, ws
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
@@ -179,7 +179,7 @@ def create_app(
                 cluster=settings.redis.cluster,
             )
             if redis is not None:
-                stack.push_async_callback(redis.aclose)
+                stack.push_async_callback(close_redis, redis)
             service = await stack.enter_async_context(
                 open_service(
                     settings, metrics=metrics, redis=redis, llm=llm, store=store, prompts=prompts
