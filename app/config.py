@@ -187,7 +187,16 @@ class CollectionSettings:
     candidates: int = 50  # taken from each ranking before fusion
     rrf_k: int = 60
     dense_weight: float = 1.0  # the vectors' ranking in the fusion, BM25's being 1
-    import_concurrency: int = 2  # documents of one process read and indexed at once
+    import_concurrency: int = 2  # batches of one process read and indexed at once
+    #: imports running at once (from the request until their last document has ended):
+    #: per user (with auth off, per client address) → 429, per process → 503
+    max_imports_per_user: int = 2
+    max_imports: int = 8
+    #: where imported files wait for their batch (empty: the system's temp folder)
+    spool_dir: str = ""
+    #: the embedded engine's vectors kept in memory, all spaces together (least
+    #: recently searched ones are let go past it)
+    vector_cache_mb: int = 512
     rerank: RerankSettings = field(default_factory=RerankSettings)
 
 

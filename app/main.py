@@ -46,7 +46,7 @@ from .metrics import Metrics
 from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
-from .streams import open_hub, open_redis
+from .streams import close_redis, open_hub, open_redis
 from .transport import auth_routes, collections, openai, perplexica, responses, sse, ws
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
@@ -96,7 +96,10 @@ async def open_service(
         stack.push_async_callback(search.aclose)
         ids = Snowflake()
         lease = WorkerLease(the_store, ids)
-        engine = open_engine(settings.collections.url)
+        engine = open_engine(
+            settings.collections.url,
+            vector_cache_bytes=settings.collections.vector_cache_mb << 20,
+        )
         await stack.enter_async_context(engine)
         retriever = Retriever(settings.collections, engine=engine, embedder=embedder)
         stack.push_async_callback(retriever.aclose)
@@ -118,6 +121,7 @@ async def open_service(
             ids=ids,
             indexer=lease.token,
         )
+        await knowledge.open()
         stack.push_async_callback(knowledge.aclose)
         service = ChatService(
             settings,
@@ -175,7 +179,7 @@ def create_app(
                 cluster=settings.redis.cluster,
             )
             if redis is not None:
-                stack.push_async_callback(redis.aclose)
+                stack.push_async_callback(close_redis, redis)
             service = await stack.enter_async_context(
                 open_service(
                     settings, metrics=metrics, redis=redis, llm=llm, store=store, prompts=prompts
@@ -259,6 +263,11 @@ def create_app(
             methods=["GET"],
         ),
         Route("/api/collections/{collection_id}/search", collections.search, methods=["POST"]),
+        Route("/api/groups", collections.my_groups, methods=["GET"]),
+        Route("/api/admin/groups", collections.admin_groups, methods=["GET"]),
+        Route("/api/admin/groups", collections.admin_create_group, methods=["POST"]),
+        Route("/api/admin/groups/{group_id}", collections.admin_change_group, methods=["PATCH"]),
+        Route("/api/admin/groups/{group_id}", collections.admin_delete_group, methods=["DELETE"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),

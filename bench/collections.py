@@ -19,8 +19,14 @@ Zipf-distributed made-up words, one known fact each, and a question per document
             and hybrid. The dense ranking uses the test suite's fake embeddings (bag of
             words hashed into 64 buckets), which make it meaningless: read dense and hybrid
             as a check of the plumbing unless `--embeddings-url` names a real endpoint.
+            Twice: on the corpus as generated (each question's words together in one
+            document: easy), and with three distractors per question added
+            (`corpus.with_distractors`: the same entity with another attribute, the
+            same attribute with half the entity), where rankings differ.
 5. reference  bm25s (Lucene's idf, k1 = 1.2, b = 0.75, as Tantivy) on the same chunks and
             tokens: nDCG@10 of both and how much their top 10 agree.
+   writes   hybrid query latency on the 10k space while batches of documents are added
+            to it (an import into the collection being searched).
 6. streams  the server under `mixed_load`, idle and while 1,000 documents are imported
             through the API (a zip), pinned to one core with its import's child processes:
             p99 of the gaps between tokens.
@@ -42,6 +48,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +58,7 @@ import numpy as np
 from app.collections.base import Engine, Hit, Passage, open_engine, terms
 from app.collections.retrieval import fuse
 from app.files.extract import chunk_pages
-from bench.corpus import Document, Question, generate
+from bench.corpus import Document, Question, generate, with_distractors
 from bench.load import mixed_load, percentile
 from bench.run import app_server, fast_model
 from tests.fakes.model import embed as fake_embed
@@ -140,6 +147,55 @@ async def latency(
         await engine.nearest(space, queries[0][1], 10)  # loads the matrix
         out["hybrid"] = await timed(hybrid, queries)
     return out
+
+
+async def latency_during_writes(
+    engine: Engine, space: str, questions: Sequence[Question], seed: int
+) -> dict[str, Any]:
+    """Hybrid query latency while another task adds batches of 32 new documents (with
+    vectors) to the space being searched, as an import into it does; and how many
+    batches went in meanwhile."""
+    extra, _ = generate(640, pages=4, words_per_page=600, seed=seed + 100)
+    added = [replace(p, document_id=f"w{p.document_id}") for p in chunks_of(extra)]
+    vectors = latency_vectors(added)
+    rng = np.random.default_rng(7)
+    queries = [(q.text, rng.standard_normal(LATENCY_DIMS, dtype=np.float32)) for q in questions]
+    batches = 0
+
+    async def writing() -> None:
+        nonlocal batches
+        by_document: dict[str, list[int]] = {}
+        for i, p in enumerate(added):
+            by_document.setdefault(p.document_id, []).append(i)
+        groups = list(by_document.values())
+        for start in range(0, len(groups), BATCH_DOCUMENTS):
+            rows = [i for group in groups[start : start + BATCH_DOCUMENTS] for i in group]
+            await engine.add(space, [added[i] for i in rows], vectors[rows])
+            batches += 1
+
+    async def hybrid(q: tuple[str, np.ndarray]) -> list[Hit]:
+        lexical, dense = await asyncio.gather(
+            engine.lexical(space, q[0], 50), engine.nearest(space, q[1], 50)
+        )
+        return fuse([lexical, dense])[:10]
+
+    writer = asyncio.create_task(writing())
+    times = []
+    while not writer.done():
+        for q in queries:
+            started = time.perf_counter()
+            await hybrid(q)
+            times.append((time.perf_counter() - started) * 1000)
+            if writer.done():
+                break
+    await writer
+    await engine.delete_documents(space, sorted({p.document_id for p in added}))
+    return {
+        "queries": len(times),
+        "batches_added": batches,
+        "p50_ms": round(statistics.median(times), 2),
+        "p99_ms": round(percentile(times, 0.99), 2),
+    }
 
 
 def ndcg_recall(ranked: Sequence[str], answer: str) -> tuple[float, float]:
@@ -247,7 +303,9 @@ def remote_embeddings(url: str, model: str, key: str) -> Callable[[list[str]], n
 
 
 async def engines(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    documents, questions = generate(args.docs, pages=args.pages, words_per_page=args.words)
+    documents, questions = generate(
+        args.docs, pages=args.pages, words_per_page=args.words, seed=args.seed
+    )
     print(f"corpus: {len(documents)} documents, generated", flush=True)
     passages = chunks_of(documents)
     per_doc = len(passages) / len(documents)
@@ -286,10 +344,19 @@ async def engines(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "rss_before_mb": round(rss_before / 1024),
             "disk_mb": folder_mb(folder / "tantivy"),
         }
+        results["tantivy_latency_10k_during_writes"] = await latency_during_writes(
+            tantivy, "small", small_asked, args.seed
+        )
+        print("tantivy latency during writes", results["tantivy_latency_10k_during_writes"])
         vectors = embed([p.text for p in passages])
         await build(tantivy, "quality", passages, vectors)
         results["tantivy_quality"] = await quality(tantivy, "quality", passages, asked, embed)
         print("tantivy quality", results["tantivy_quality"], flush=True)
+        hard = passages + chunks_of(with_distractors(documents, asked))
+        await build(tantivy, "hard", hard, embed([p.text for p in hard]))
+        results["tantivy_quality_hard"] = await quality(tantivy, "hard", hard, asked, embed)
+        results["tantivy_quality_hard"]["chunks"] = len(hard)
+        print("tantivy quality, with distractors", results["tantivy_quality_hard"], flush=True)
     if not args.skip_milvus:
         milvus = open_engine(f"milvus:///{folder}/milvus.db")
         async with milvus:
@@ -380,6 +447,7 @@ def main() -> None:
     parser.add_argument("--milvus-queries", type=int, default=30, help="Milvus Lite is slow")
     parser.add_argument("--streams", type=int, default=100, help="0: skip the streams part")
     parser.add_argument("--import-docs", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=7, help="of the generated corpus")
     parser.add_argument("--embeddings-url", default="")
     parser.add_argument("--embeddings-model", default="")
     parser.add_argument("--embeddings-key", default="")

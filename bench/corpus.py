@@ -92,3 +92,44 @@ def generate(
         documents.append(Document(n, f"{folder}/report-{n:05d}.md", body, attribute, entity, value))
         questions.append(Question(f"what is the {attribute} of {entity}?", n))
     return documents, questions
+
+
+def with_distractors(
+    documents: list[Document], questions: list[Question], *, seed: int = 13
+) -> list[Document]:
+    """Documents that nearly answer each of `questions`, to add to the corpus: for the
+    fact "the <attribute> of <w1 w2> is <value>", one with the same entity and another
+    attribute, and two with the same attribute and one of the entity's words (each
+    naming its near-entity twice), in prose of their own. Only the answer has every
+    word of the question, but the distractors have most of them, often more often:
+    ranking them apart is up to term weighting and length normalisation, which a
+    sloppy BM25 gets wrong."""
+    rng = random.Random(seed)
+    pool = sorted({w for d in documents for w in d.entity.split()})
+    values = _words(random.Random(seed + 1), 4 * len(questions) + 8, 4, 5)
+    # their prose is new (a corpus of its own): a copy of another report's pages would
+    # tie with it on every word, and ties, not weighting, would then decide the order
+    words = max(1, len(documents[0].pages[0].split()) * 12 // 13)
+    filler, _ = generate(
+        3 * len(questions), pages=len(documents[0].pages), words_per_page=words, seed=seed + 2
+    )
+    extra: list[Document] = []
+    number = max(d.number for d in documents) + 1
+    for q in questions:
+        answer = documents[q.answer]
+        first, second = answer.entity.split()
+        others = [a for a in ATTRIBUTES if a != answer.attribute]
+        facts = [
+            (rng.choice(others), answer.entity),
+            (answer.attribute, f"{first} {rng.choice(pool)}"),
+            (answer.attribute, f"{rng.choice(pool)} {second}"),
+        ]
+        for attribute, entity in facts:
+            base = filler[len(extra)]
+            value = values[len(extra) % len(values)]
+            said = f"The {attribute} of {entity} is {value}. Ask {entity} about it."
+            pages = [said + " " + base.pages[0], *base.pages[1:]]
+            title = f"distractors/report-{number:05d}.md"
+            extra.append(Document(number, title, pages, attribute, entity, value))
+            number += 1
+    return extra

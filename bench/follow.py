@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.events import Event, Handle
-from app.streams import open_redis
+from app.streams import close_redis, open_redis
 from app.streams.redis import RedisHub
 
 
@@ -105,6 +105,9 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
         ):
             follower_counts.wrap(follower.redis)
             follower_counts.wrap(follower.blocking)
+            run_id = secrets.token_hex(4)  # a Redis kept from an earlier run holds its answers
+            hs = [Handle(f"c{i}.{run_id}", f"a{i}.{run_id}", "q", "u", "q?") for i in range(others)]
+            followed = Handle(f"cf.{run_id}", f"f.{run_id}", "q", "u", "q?")
             write = owner._write
 
             async def measured(plan: Any) -> Any:
@@ -114,14 +117,11 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
                 ) + sum(
                     len(w.answer_id) + len(orjson_dump(w.events))
                     for w in plan.logs
-                    if w.answer_id == "f"
+                    if w.answer_id == followed.answer_id
                 )
                 return await write(plan)
 
             owner._write = measured  # type: ignore[method-assign]
-            run_id = secrets.token_hex(4)  # a Redis kept from an earlier run holds its answers
-            hs = [Handle(f"c{i}.{run_id}", f"a{i}.{run_id}", "q", "u", "q?") for i in range(others)]
-            followed = Handle(f"cf.{run_id}", f"f.{run_id}", "q", "u", "q?")
             logs = [await owner.register(h, lambda: None) for h in [followed, *hs]]
             got: list[Event] = []
 
@@ -166,7 +166,7 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
             }
     finally:
         for client in (admin, owner_client, follower_client):
-            await client.aclose()
+            await close_redis(client)
 
 
 def orjson_dump(value: Any) -> bytes:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up and runs the test suite on a new machine (Debian/Ubuntu, Python 3.11+):
 # a virtualenv with the package and its test extras, and what the tests start
-# on loopback (redis-server, PostgreSQL, nginx) or drive (Debian's Chromium, through
+# on loopback (redis-server — one Redis, a Redis Cluster, and `redis-server --sentinel`
+# for Redis Sentinel —, PostgreSQL, nginx) or drive (Debian's Chromium, through
 # Playwright — never Playwright's own browser download), then ruff, mypy (strict,
 # on app/) and pytest.
 # Extra arguments go to pytest: scripts/test.sh -k cancel -x

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -11,13 +12,14 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
+from redis.crc import key_slot
 
 from app.config import Settings
 from app.main import create_app
@@ -182,7 +184,9 @@ class RedisCluster:
                 port=_cluster_port(),
                 args=("--cluster-enabled", "yes", "--cluster-node-timeout", "1000")
                 + ("--cluster-config-file", "nodes.conf")
-                + ("--cluster-replica-validity-factor", "0"),
+                + ("--cluster-replica-validity-factor", "0")
+                # a replica's first sync starts at once, not 5 s later
+                + ("--repl-diskless-sync-delay", "0"),
             )
             for _ in range(masters * (replicas + 1))
         ]
@@ -249,6 +253,22 @@ class RedisCluster:
                 client.close()
         raise LookupError(key)
 
+    def ids_on(self, node: RedisServer, key: Callable[[str], str], count: int = 1) -> list[str]:
+        """`count` ids whose `key(id)` the master `node` serves now."""
+        client = redis.Redis(port=node.port, socket_timeout=1)
+        try:
+            ranges = _own_slots(client)
+        finally:
+            client.close()
+        found = []
+        for n in itertools.count(1):
+            slot = key_slot(key(str(n)).encode())
+            if any(first <= slot <= last for first, last in ranges):
+                found.append(str(n))
+                if len(found) == count:
+                    return found
+        raise AssertionError("unreachable")
+
     def replica_of(self, master: RedisServer) -> RedisServer:
         client = redis.Redis(port=master.port, socket_timeout=1)
         try:
@@ -257,6 +277,42 @@ class RedisCluster:
             client.close()
         port = int(replicas["slave0"]["port"])
         return next(node for node in self.nodes if node.port == port)
+
+    def kill(self, master: RedisServer) -> RedisServer:
+        """Kill `master` outright and wait until its replica serves its slots (the
+        cluster ok again); the replica."""
+        replica = self.replica_of(master)
+        assert master.proc is not None
+        master.proc.kill()
+        master.proc.wait()
+        master.proc = None
+        deadline = time.monotonic() + 30
+        while replica not in self.masters():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica of {master.port} took over")
+            time.sleep(0.1)
+        self.wait_ok()
+        return replica
+
+    def revive(self, node: RedisServer) -> None:
+        """Start a killed node again: it rejoins as a replica of the one that took over
+        its slots, once it has its data."""
+        node.start()
+        deadline = time.monotonic() + 30
+        while True:
+            client = redis.Redis(port=node.port, socket_timeout=1)
+            try:
+                info = client.info("replication")
+            except (redis.RedisError, OSError):
+                info = {}
+            finally:
+                client.close()
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{node.port} did not come back as a replica: {info}")
+            time.sleep(0.1)
+        self.wait_ok()
 
     def flush(self) -> None:
         for node in self.masters():
@@ -311,6 +367,134 @@ def redis_cluster(redis_cluster_server: RedisCluster) -> RedisCluster:
     """The shared three-master Redis Cluster, emptied for this test."""
     redis_cluster_server.flush()
     return redis_cluster_server
+
+
+@pytest.fixture(scope="session")
+def replicated_cluster_server() -> Iterator[RedisCluster]:
+    with RedisCluster(replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def replicated_cluster(replicated_cluster_server: RedisCluster) -> Iterator[RedisCluster]:
+    """A shared three-master Redis Cluster with a replica each, emptied for this test,
+    for failovers: a master the test `kill`s is revived as a replica afterwards."""
+    cluster = replicated_cluster_server
+    cluster.flush()
+    yield cluster
+    for node in cluster.nodes:
+        if node.proc is None:
+            cluster.revive(node)
+
+
+class RedisSentinelGroup:
+    """A real Redis master with a replica, watched by a real Redis Sentinel (quorum
+    1), on loopback; `url` names the sentinel and the service, as the server is
+    configured. The master can be killed (`kill`): the sentinel promotes the replica."""
+
+    SERVICE = "main"
+
+    def __init__(self) -> None:
+        self.master = RedisServer()
+        self.replica = RedisServer(args=("--replicaof", "127.0.0.1", str(self.master.port)))
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="sentineltest-")
+        self.url = f"redis+sentinel://127.0.0.1:{self.port}/{self.SERVICE}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisSentinelGroup:
+        self.master.start()
+        self.replica.start()
+        config = Path(self.dir) / "sentinel.conf"  # the sentinel rewrites it
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+        )
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", str(config), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+        self.wait_for(lambda s: s.sentinel_slaves(self.SERVICE))  # it knows the replica
+        return self
+
+    def wait_for(self, found: Callable[[redis.Redis], Any], timeout: float = 30) -> Any:
+        """Until `found(sentinel client)` says something true."""
+        deadline = time.monotonic() + timeout
+        while True:
+            client = redis.Redis(port=self.port, socket_timeout=1, decode_responses=True)
+            try:
+                value = found(client)
+            except (redis.RedisError, OSError):
+                value = None
+            finally:
+                client.close()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError("the sentinel did not see it happen")
+            time.sleep(0.1)
+
+    def master_port(self) -> int:
+        return int(self.wait_for(lambda s: s.sentinel_get_master_addr_by_name(self.SERVICE))[1])
+
+    def kill(self) -> None:
+        """Kill the master outright and wait until the sentinel names the replica."""
+        assert self.master.proc is not None
+        self.master.proc.kill()
+        self.master.proc.wait()
+        self.master.proc = None
+        self.wait_for(
+            lambda s: int(s.sentinel_get_master_addr_by_name(self.SERVICE)[1]) == self.replica.port
+        )
+        client = redis.Redis(port=self.replica.port, socket_timeout=1)
+        try:  # and the replica knows it is the master now
+            deadline = time.monotonic() + 30
+            while client.info("replication")["role"] != "master":
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the replica was not promoted")
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+    def flush(self) -> None:
+        client = redis.Redis(port=self.master_port(), socket_timeout=2)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+        for server in (self.master, self.replica):
+            server.stop()
+            shutil.rmtree(server.dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisSentinelGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_server() -> Iterator[RedisSentinelGroup]:
+    with RedisSentinelGroup() as group:
+        yield group
+
+
+@pytest.fixture
+def redis_sentinel(redis_sentinel_server: RedisSentinelGroup) -> RedisSentinelGroup:
+    """The shared Redis master and replica under a Redis Sentinel, emptied for this test."""
+    redis_sentinel_server.flush()
+    return redis_sentinel_server
 
 
 def _pg_binary(name: str) -> str | None:
@@ -453,15 +637,33 @@ def asyncio_run_in_thread(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
+#: the Redis topologies the cross-process tests run on: one Redis, and a three-master
+#: Redis Cluster (`@BOTH_TOPOLOGIES` on a test that asks for `topology`)
+TOPOLOGIES = ("redis", "cluster")
+BOTH_TOPOLOGIES = pytest.mark.parametrize("topology", TOPOLOGIES, indirect=True)
+
+
 @pytest.fixture
-def hosts_env(model_url, fake_search, postgres_server, redis_url):
-    """Two "hosts" share one Postgres database and one Redis."""
+def topology(request: pytest.FixtureRequest) -> dict[str, str]:
+    """What points the server at Redis — `REDIS_URL` and `REDIS_CLUSTER` — for one
+    Redis (emptied for this test), or (parametrised with "cluster") for a node of
+    the shared three-master Redis Cluster (emptied too)."""
+    if getattr(request, "param", "redis") == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        return {"REDIS_URL": cluster.url, "REDIS_CLUSTER": "true"}
+    return {"REDIS_URL": request.getfixturevalue("redis_url"), "REDIS_CLUSTER": "false"}
+
+
+@pytest.fixture
+def hosts_env(model_url, fake_search, postgres_server, topology):
+    """Two "hosts" share one Postgres database and one Redis (or Redis Cluster: see
+    `topology`)."""
     return {
+        **topology,
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-chat",
         "STORE_URL": new_database(postgres_server),
-        "REDIS_URL": redis_url,
         "STREAM_HANDLE_TTL_SECONDS": "3",
         "LIMITS_MAX_CONCURRENT_GENERATIONS": "0",
         "SEARCH_PROVIDER": "tavily",

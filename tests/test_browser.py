@@ -740,3 +740,22 @@ def test_the_demo_model_says_it_is_the_demo(open_page, fake_search):
     wait_state(page, "completed")
     assert page.locator(".turn .source").count() >= 3
     assert "Demo answer" in last(page, ".turn .answer").inner_text()
+
+
+def test_a_focus_chosen_before_the_config_arrives_stays_chosen(open_page, fake_model):
+    """The page paints before the server's config arrives (a slow network): a focus and
+    optimization mode picked meanwhile are what the question is asked with."""
+    page = open_page(goto=False)
+    held = []  # the config request, held until the choice is made
+    page.route("**/api/config", lambda route: held.append(route))
+    page.goto(page.base + "/", wait_until="domcontentloaded")
+    page.wait_for_selector("#focus option[value=deepResearch]", state="attached")
+    page.wait_for_function("() => true")  # lets the route handler run
+    assert held, "the page asked for its config"
+    page.select_option("#mode", "balanced")
+    page.select_option("#focus", "deepResearch")
+    with page.expect_response("**/api/config"):
+        held[0].continue_()
+    page.wait_for_timeout(500)  # the config applied
+    assert page.eval_on_selector("#focus", "e => e.value") == "deepResearch"
+    assert page.eval_on_selector("#mode", "e => e.value") == "balanced"

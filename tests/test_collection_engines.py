@@ -1,34 +1,94 @@
-"""The collections engine contract, the same tests on every engine: the embedded one
-(Tantivy) and Milvus (Milvus Lite, the same client code as a Milvus server), both run
-for real. BM25 uses the statistics of the whole space, is close to a reference BM25
-(bm25s, same tokens and parameters), filters by document, and what is deleted is gone."""
+"""The collections engine contract, the same tests on every engine, each run for real:
+the embedded one (Tantivy); Milvus Lite in-process (`milvus:///file.db`); and Milvus
+Lite started as a server process on loopback (`milvus://127.0.0.1:<port>`: the network
+path a Milvus server or cluster is reached by, through the same client). BM25 uses the
+statistics of the whole space, is close to a reference BM25 (bm25s, same tokens and
+parameters), filters by document, and what is deleted is gone."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import bm25s
 import numpy as np
 import pytest
 
 from app.collections.base import Engine, Passage, open_engine, terms
+from app.collections.retrieval import reembed
 from app.files.extract import chunk_pages
 from bench.corpus import generate
+from tests.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.anyio
 
-ENGINES = ["tantivy", "milvus"]
+ENGINES = ["tantivy", "milvus", "milvus-server"]
+
+
+@contextlib.contextmanager
+def milvus_server(folder: Path) -> Iterator[str]:
+    """Milvus Lite's gRPC server (`python -m milvus_lite server`) as its own process on
+    127.0.0.1; its `milvus://` URL."""
+    for _ in range(5):  # a port taken between choosing and binding: choose again
+        port = free_port()
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "milvus_lite",
+                "server",
+                "--data-dir",
+                str(folder),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-workers",
+                "4",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for_port(port, timeout=30)
+        except RuntimeError:
+            process.kill()
+            process.wait(10)
+            continue
+        try:
+            yield f"milvus://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        return
+    raise RuntimeError("the Milvus Lite server did not start")
+
+
+@contextlib.contextmanager
+def engine_url(kind: str, folder: Path) -> Iterator[str]:
+    if kind == "tantivy":
+        yield f"tantivy:///{folder}/index"
+    elif kind == "milvus":
+        yield f"milvus:///{folder}/milvus.db"
+    else:
+        with milvus_server(folder / "milvus-server") as url:
+            yield url
 
 
 @pytest.fixture(params=ENGINES)
 async def engine(request, tmp_path):
-    url = (
-        f"tantivy:///{tmp_path}/index"
-        if request.param == "tantivy"
-        else f"milvus:///{tmp_path}/milvus.db"
-    )
-    async with open_engine(url) as opened:
-        yield opened
+    with engine_url(request.param, tmp_path) as url:
+        async with open_engine(url) as opened:
+            yield opened
 
 
 def passage(document: str, text: str, n: int = 0, page: int = 1) -> Passage:
@@ -146,3 +206,119 @@ async def test_a_large_space_finds_the_nearest_through_its_bits(tmp_path, monkey
             assert {h.passage.document_id for h in kept} <= {"d5", "d7"} and kept
         assert engine._vectors["big"].codes is not None  # the two-step path ran
         assert agree >= 95  # of 100
+
+
+async def test_new_vectors_are_swapped_in_at_once_and_a_failure_changes_nothing(engine: Engine):
+    """`set_vectors` (what `reembed` calls): a new width, then none; passages and BM25
+    stay as they were; one that raises leaves the space as it was."""
+    passages = [passage("a", "red apples"), passage("b", "green pears"), passage("c", "blue")]
+    await engine.add("v", passages, np.eye(3, dtype=np.float32))
+    wider = np.zeros((3, 5), dtype=np.float32)
+    wider[0, 4] = wider[1, 0] = wider[2, 1] = 1.0
+    with pytest.raises(ValueError):  # fewer vectors than passages: refused whole
+        await engine.set_vectors("v", await engine.passages("v"), wider[:2])
+    near = await engine.nearest("v", np.array([0, 1, 0], dtype=np.float32), 1)
+    assert [h.passage.document_id for h in near] == ["b"]  # the old vectors still answer
+    await engine.set_vectors("v", await engine.passages("v"), wider)
+    near = await engine.nearest("v", np.array([0, 0, 0, 0, 1], dtype=np.float32), 1)
+    assert [h.passage.document_id for h in near] == ["a"]
+    assert await engine.nearest("v", np.array([0, 1, 0], dtype=np.float32), 1) == []
+    assert await engine.passages("v") == passages
+    assert [h.passage.document_id for h in await engine.lexical("v", "pears", 5)] == ["b"]
+    await engine.set_vectors("v", await engine.passages("v"), None)
+    assert not await engine.has_vectors("v")
+    assert await engine.passages("v") == passages
+    assert await engine.spaces() == ["v"]
+
+
+async def test_searches_find_every_passage_while_a_space_is_reembedded(tmp_path):
+    """Re-embedding swaps the vectors in at once: a search meanwhile never meets a
+    space emptied for rewriting."""
+    from app.config import EmbeddingsSettings
+    from app.llm import Embedder
+
+    async with open_engine(f"tantivy:///{tmp_path}/r") as engine:
+        many = [passage(f"d{i:03d}", f"harbour report {i}") for i in range(200)]
+        await engine.add("s", many, np.ones((200, 4), dtype=np.float32))
+        embedder = Embedder(EmbeddingsSettings(model=""))  # no model: vectors removed
+        seen: list[int] = []
+        running = asyncio.create_task(reembed(engine, embedder, ["s"], 16))
+        while not running.done():
+            seen.append(len(await engine.lexical("s", "harbour", 500)))
+            await asyncio.sleep(0)
+        assert await running == 200
+        await embedder.aclose()
+        assert seen and set(seen) == {200}
+        assert len(await engine.passages("s")) == 200 and not await engine.has_vectors("s")
+
+
+async def test_every_passage_is_read_past_milvus_query_window(tmp_path, monkeypatch):
+    """A Milvus server refuses a query whose offset + limit passes 16,384
+    (`max_query_result_window`); Milvus Lite does not check it, so the test makes its
+    server refuse as Milvus does (at a smaller window, to stay quick)."""
+    from milvus_lite.adapter.grpc import servicer
+
+    window = 2500
+    query = servicer.MilvusServicer.Query
+
+    def refusing(self, request, context):
+        params = {kv.key: kv.value for kv in request.query_params}
+        if int(params.get("offset", 0) or 0) + int(params.get("limit", 0) or 0) > window:
+            raise ValueError(f"invalid max query result window, (offset+limit) > {window}")
+        return query(self, request, context)
+
+    monkeypatch.setattr(servicer.MilvusServicer, "Query", refusing)
+    async with open_engine(f"milvus:///{tmp_path}/window.db") as engine:
+        many = [passage(f"d{i:04d}", f"note {i}") for i in range(3200)]
+        for start in range(0, len(many), 800):
+            await engine.add("big", many[start : start + 800])
+        got = await engine.passages("big")
+    assert [p.document_id for p in got] == [p.document_id for p in many]
+
+
+async def test_the_embedded_engine_keeps_a_bounded_cache_and_appends_new_rows(tmp_path):
+    """Vectors of the spaces searched last, at most `vector_cache_bytes` together; a
+    write has the next search read only the rows added since, one read at a time."""
+    from app.collections.tantivy_engine import TantivyEngine
+
+    rng = np.random.default_rng(2)
+    budget = 3 * 100 * 32 * 4 + 3 * 64 * 100  # about three spaces of 100 rows × 32
+    async with open_engine(f"tantivy:///{tmp_path}/c", vector_cache_bytes=budget) as engine:
+        assert isinstance(engine, TantivyEngine)
+        for space in ("a", "b", "c", "d"):
+            rows = [passage(f"{space}{i}", f"text {i}") for i in range(100)]
+            await engine.add(space, rows, rng.standard_normal((100, 32), dtype=np.float32))
+            await engine.nearest(space, rng.standard_normal(32, dtype=np.float32), 3)
+        assert list(engine._vectors) == ["b", "c", "d"]  # "a", searched first, let go
+        assert engine._cached_bytes <= budget
+
+        loads: list[int] = []
+        running = 0
+        load = engine._load
+
+        def counted(space, cached):
+            nonlocal running
+            running += 1
+            loads.append(running)
+            try:
+                return load(space, cached)
+            finally:
+                running -= 1
+
+        engine._load = counted  # type: ignore[method-assign]
+        before = engine._vectors["d"]
+        await engine.add(
+            "d", [passage("d-new", "fresh")], rng.standard_normal((1, 32), dtype=np.float32)
+        )
+        query = rng.standard_normal(32, dtype=np.float32)
+        await asyncio.gather(*(engine.nearest("d", query, 3) for _ in range(8)))
+        after = engine._vectors["d"]
+        assert loads == [1]  # eight searches, one read
+        assert after.count == 101 and after.keys[-1] == ("d-new", 0)
+        assert np.shares_memory(after.buffer, before.buffer) or after.buffer is not None
+        assert np.array_equal(after.matrix[:100], before.matrix)
+        hits = await engine.nearest("d", rng.standard_normal(32, dtype=np.float32), 200)
+        assert len(hits) == 101
+        await engine.delete_documents("d", ["d0"])  # a delete: read whole again
+        assert len(await engine.nearest("d", query, 200)) == 100
+        assert loads == [1, 1]

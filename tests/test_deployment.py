@@ -21,7 +21,7 @@ import pytest
 from httpx_ws import aconnect_ws
 
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest
-from tests.conftest import USER, new_database
+from tests.conftest import BOTH_TOPOLOGIES, USER, new_database
 from tests.servers import AppProcess, free_port, processes, wait_for_port
 
 pytestmark = pytest.mark.anyio
@@ -73,12 +73,14 @@ def nginx_in_front(servers: list[AppProcess]) -> Iterator[str]:
 
 
 @pytest.fixture
-def deployment(model_url, postgres_server, redis_url, fake_model):
+def deployment(model_url, postgres_server, topology, fake_model):
+    """Three processes behind nginx, on one Redis or (parametrised: `topology`) a Redis
+    Cluster."""
     env = {
+        **topology,
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "STORE_URL": new_database(postgres_server),
-        "REDIS_URL": redis_url,
         "STREAM_HANDLE_TTL_SECONDS": "2",
         "STREAM_FLUSH_INTERVAL_MS": "50",
     }
@@ -114,6 +116,7 @@ async def test_websocket_upgrades_through_nginx(deployment, path):
     assert answer_of(frames) == "tok0 tok1 tok2 "
 
 
+@BOTH_TOPOLOGIES
 async def test_reconnects_landing_on_other_processes_resume_exactly(deployment):
     _, front = deployment
     expected = "".join(f"tok{i} " for i in range(60))
@@ -139,6 +142,7 @@ async def test_reconnects_landing_on_other_processes_resume_exactly(deployment):
     assert answer_of(seen) == expected and seen[-1].data["status"] == "completed"
 
 
+@BOTH_TOPOLOGIES
 async def test_a_cancel_sent_to_any_process_stops_the_answer(deployment):
     _, front = deployment
     async with httpx.AsyncClient(base_url=f"http://{front}", timeout=30, event_hooks=USER) as http:
@@ -157,6 +161,7 @@ async def test_a_cancel_sent_to_any_process_stops_the_answer(deployment):
             assert tail[-1].data["status"] == "cancelled"
 
 
+@BOTH_TOPOLOGIES
 async def test_one_process_killed_while_the_others_serve(deployment):
     servers, front = deployment
     async with httpx.AsyncClient(base_url=f"http://{front}", timeout=30, event_hooks=USER) as http:

@@ -828,23 +828,47 @@ async def test_an_upload_left_indexing_by_a_dead_process_is_marked_failed(tmp_pa
         assert "upload it again" in status["dead"][1]
 
 
-async def test_a_collection_document_left_indexing_by_a_dead_process_is_marked_failed(tmp_path):
+async def test_a_collection_document_left_indexing_by_a_dead_process_is_failed_and_unindexed(
+    tmp_path,
+):
+    """A process killed between putting a batch's passages in the engine and marking
+    them ready: the sweep fails its documents and takes their passages back."""
+    from app.collections.base import Passage, open_engine
+    from app.collections.retrieval import Retriever
+    from app.collections.service import CollectionService
+    from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
+    from app.ids import Snowflake
+    from app.llm import Embedder
+
     store = open_store(f"sqlite:///{tmp_path}/documents.db")
-    async with store:
+    engine = open_engine(f"tantivy:///{tmp_path}/engine")
+    embedder = Embedder(EmbeddingsSettings(model=""))
+    async with store, engine:
         old = time.time() - 120
         assert await store.lease_worker("live-token", 60, 1024) >= 0
         await store.add_collection(CollectionRecord("c1", "1", "docs", "", old))
         for doc_id, indexer in (("dead", "dead-token"), ("alive", "live-token"), ("none", "")):
             record = DocumentRecord(doc_id, "c1", "i1", f"{doc_id}.txt", "txt", 3, old)
             await store.add_documents([record], indexer)
-        keeper = AnswerKeeper(
-            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+            await engine.add("c1", [Passage(doc_id, 0, 0, record.title, "File", "kestrel")])
+        settings = CollectionSettings()
+        retriever = Retriever(settings, engine=engine, embedder=embedder)
+        service = CollectionService(
+            settings,
+            UploadSettings(),
+            store=store,
+            retriever=retriever,
+            reader=None,
+            ids=Snowflake(),
         )
-        await keeper.sweep()
+        assert await service.sweep() == 2
+        assert await service.sweep() == 0  # each is swept once
         status = {d.id: (d.status, d.error) for d in await store.list_documents("c1")}
         assert status["alive"] == ("indexing", "")
         assert status["dead"][0] == status["none"][0] == "failed"
         assert "add it again" in status["dead"][1]
+        assert [p.document_id for p in await engine.passages("c1")] == ["alive"]
+        await embedder.aclose()
 
 
 async def test_an_upload_cut_by_a_stop_is_failed_not_left_indexing(settings, tmp_path, fake_model):

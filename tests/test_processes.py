@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -10,8 +11,9 @@ import orjson
 import pytest
 from httpx_ws import aconnect_ws
 
+from app.streams import rediskeys
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
-from tests.conftest import USER
+from tests.conftest import USER, RedisSentinelGroup
 from tests.servers import processes
 
 pytestmark = pytest.mark.anyio
@@ -353,3 +355,63 @@ async def test_cancel_on_another_process_stops_a_background_response(pair, fake_
         record = await fake_model.wait_stream_end()
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert record.outcome == "client_closed" and record.tokens_sent < 2000
+
+
+@pytest.mark.parametrize("redis", ["cluster", "sentinel"])
+async def test_a_master_killed_mid_stream_costs_its_clients_nothing(
+    request, redis, tmp_path, model_url, fake_model
+):
+    """Two server processes on a Redis Cluster with a replica per master — or on a
+    master and its replica under Redis Sentinel —: the master that holds a running
+    answer's handle and log is killed mid-stream, and its replica takes over. The
+    client on the owner and a follower on the other process each get every event
+    once, in order, and the end; the answer is saved whole."""
+    stack = contextlib.ExitStack()
+    if redis == "cluster":
+        cluster = request.getfixturevalue("replicated_cluster")
+        url = cluster.url
+
+        def kill(answer_id: str) -> None:
+            cluster.kill(cluster.node_of(rediskeys.log(answer_id)))
+
+    else:
+        group = stack.enter_context(RedisSentinelGroup())  # its own: its master dies
+        url = group.url
+
+        def kill(answer_id: str) -> None:
+            group.kill()
+
+    env = {
+        "REDIS_CLUSTER": "true" if redis == "cluster" else "false",
+        "REDIS_URL": url,
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-chat",
+        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "STREAM_HANDLE_TTL_SECONDS": "3",
+        "STREAM_FLUSH_INTERVAL_MS": "10",
+    }
+    tokens = 400
+    with stack, processes(2, env) as (a, b):
+        async with httpx.AsyncClient(timeout=30, event_hooks=USER) as http:
+            body = chat_body(f"long #tokens={tokens} #delay=0.01", chatId="960")
+            async with http.stream("POST", a.url + "/api/chat/sse", json=body) as response:
+                owner = iter_sse(response)
+                head = await read_events(owner, 8)
+                params = {"chatId": "960", "lastEventId": head[-1].id}
+                async with http.stream(
+                    "GET", b.url + "/api/chat/sse/resume", params=params
+                ) as followed:
+                    follower = iter_sse(followed)
+                    followed_head = await read_events(follower, 2)
+                    await asyncio.to_thread(kill, head[0].data["messageId"])
+                    owner_tail = await rest(owner)
+                    follower_tail = followed_head + await rest(follower)
+            events = head + owner_tail
+            seqs = [int(e.id.split(":")[1]) for e in events]
+            assert seqs == list(range(1, len(events) + 1))
+            assert answer_of(events) == "".join(f"tok{i} " for i in range(tokens))
+            assert events[-1].type == "messageEnd" and events[-1].data["status"] == "completed"
+            assert [e.id for e in follower_tail] == [e.id for e in events[8:]]
+            saved = await saved_answer(http, b.url, "960", "completed")
+            assert saved["content"] == answer_of(events)

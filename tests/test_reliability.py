@@ -9,6 +9,7 @@ tests stop and start, and the fake model and web.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import time
@@ -16,13 +17,19 @@ import time
 import httpx
 import orjson
 import pytest
-import redis.asyncio as aioredis
 from httpx_ws import aconnect_ws
 
 from app.main import create_app
-from app.streams import rediskeys
+from app.streams import close_redis, open_redis, rediskeys
 from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
-from tests.conftest import USER, PostgresServer, RedisServer, new_database
+from tests.conftest import (
+    BOTH_TOPOLOGIES,
+    USER,
+    PostgresServer,
+    RedisCluster,
+    RedisServer,
+    new_database,
+)
 from tests.servers import (
     OWN_PID_NAMESPACE,
     AppProcess,
@@ -83,6 +90,7 @@ async def test_two_hosts_whose_server_is_pid_1_never_mint_the_same_id(env, fake_
 # -- 2. one messageId sent twice at once ---------------------------------------------------------
 
 
+@BOTH_TOPOLOGIES
 @pytest.mark.parametrize("same_chat", [True, False])
 async def test_a_double_clicked_send_starts_exactly_one_answer(env, fake_model, same_chat):
     with processes(2, env) as (a, b):
@@ -160,6 +168,7 @@ async def test_answers_that_end_while_postgres_is_down_are_saved_when_it_returns
 # -- 4. kill -9 ---------------------------------------------------------------------------------
 
 
+@BOTH_TOPOLOGIES
 async def test_a_killed_host_leaves_no_answer_streaming_and_saves_what_resumers_saw(
     env, fake_model
 ):
@@ -203,7 +212,7 @@ async def test_a_killed_host_leaves_no_answer_streaming_and_saves_what_resumers_
             assert closed_after < 3 + 5, closed_after  # handle_ttl + a few seconds
             # saved, the dead process's answers are kept in Redis for replay only, not
             # for as long as a running answer may run (ten minutes and more)
-            direct = aioredis.Redis.from_url(env["REDIS_URL"])
+            direct = open_redis(env["REDIS_URL"], cluster=env["REDIS_CLUSTER"] == "true")
             try:
 
                 async def kept_for_replay() -> bool:
@@ -222,7 +231,7 @@ async def test_a_killed_host_leaves_no_answer_streaming_and_saves_what_resumers_
 
                 await wait_for(kept_for_replay, timeout=5)
             finally:
-                await direct.aclose()
+                await close_redis(direct)
             # what a live client had shown and Redis did not get: at most one flush (200 ms
             # of tokens 10 ms apart), so the saved answer lags the screen by at most that
             shown = answer_of(head)
@@ -332,6 +341,97 @@ async def test_after_a_redis_restart_running_chats_stay_claimed_cancellable_and_
             assert follower_ids == sorted(set(follower_ids))  # in order, no duplicate
         lost_lines = b.output().count("cancel listener lost redis")
         assert lost_lines <= 1, b.output()  # said once per outage, not twice a second
+
+
+async def test_after_a_cluster_master_restarts_empty_running_chats_stay_claimed_and_followed(
+    env, fake_model
+):
+    """A master of a three-master Redis Cluster without replicas restarts empty while
+    three answers run, one chat claimed on each master: the owner finds a claim gone
+    (the chat on that master) and a handle gone whose claim lives on (an answer on it
+    whose chat is elsewhere), and writes again what it holds. Meanwhile the other
+    host says "retry", never 404; every chat stays claimed, resumable and
+    cancellable, and every follower ends with the end, in order."""
+    with RedisCluster() as cluster:  # its own: one of its masters restarts
+        env = {**env, "REDIS_URL": cluster.url, "REDIS_CLUSTER": "true"}
+        env["STREAM_FLUSH_INTERVAL_MS"] = "50"
+        masters = cluster.masters()
+        chats = ["r" + cluster.ids_on(m, lambda i: rediskeys.run("r" + i))[0] for m in masters]
+        with processes(2, env) as (a, b):
+            async with httpx.AsyncClient(timeout=30, event_hooks=USER) as http:
+                async with contextlib.AsyncExitStack() as streams:
+                    owners, heads = [], []
+                    for chat in chats:
+                        body = chat_body("long #tokens=3000 #delay=0.01", chatId=chat)
+                        response = await streams.enter_async_context(
+                            http.stream("POST", a.url + "/api/chat/sse", json=body)
+                        )
+                        owners.append(iter_sse(response))
+                        heads.append(await read_events(owners[-1], 10))
+                    answers = [head[0].data["messageId"] for head in heads]
+                    followers = []
+                    for chat, head in zip(chats, heads, strict=True):
+                        params = {"chatId": chat, "lastEventId": head[-1].id}
+                        response = await streams.enter_async_context(
+                            http.stream("GET", b.url + "/api/chat/sse/resume", params=params)
+                        )
+                        followers.append(iter_sse(response))
+                        await read_events(followers[-1], 3)
+                    # the master of an answer whose chat is claimed on another one, if
+                    # any (it is also the master of one of the chats)
+                    where = [
+                        (cluster.node_of(rediskeys.gen(answer)), cluster.node_of(rediskeys.run(c)))
+                        for answer, c in zip(answers, chats, strict=True)
+                    ]
+                    victim = next((gen for gen, run in where if gen is not run), masters[0])
+                    victim.stop()
+                    await asyncio.sleep(0.5)
+                    victim.start()  # back, empty, with its slots
+                    await asyncio.to_thread(cluster.wait_ok)
+
+                    async def settled(method, path, **kwargs):
+                        # while owners re-assert, the other host says "retry", never 404
+                        response = await http.request(method, b.url + path, **kwargs)
+                        if response.status_code == 503:
+                            assert response.headers["retry-after"].isdigit()
+                            return None
+                        return response
+
+                    for chat, head in zip(chats, heads, strict=True):
+                        second = await wait_for(
+                            lambda chat=chat: settled(
+                                "POST", "/api/chat/sse", json=chat_body("me too", chatId=chat)
+                            ),
+                            timeout=15,
+                        )
+                        assert second.status_code == 409  # still running
+
+                        async def resumed(chat=chat, head=head):
+                            params = {"chatId": chat, "lastEventId": head[-1].id}
+                            async with http.stream(
+                                "GET", b.url + "/api/chat/sse/resume", params=params
+                            ) as response:
+                                if response.status_code == 503:  # not yet re-asserted
+                                    return None
+                                assert response.status_code == 200  # not 404
+                                return await read_events(iter_sse(response), 1)
+
+                        assert await wait_for(resumed, timeout=15)
+                        cancel = await wait_for(
+                            lambda chat=chat: settled(
+                                "POST", "/api/chat/cancel", json={"chatId": chat, "userId": "1"}
+                            ),
+                            timeout=15,
+                        )
+                        assert cancel.status_code == 200 and cancel.json()["cancelled"]
+                    for owner, follower in zip(owners, followers, strict=True):
+                        assert (await rest(owner))[-1].data["status"] == "cancelled"
+                        tail = await rest(follower)
+                        assert tail[-1].type == "messageEnd"  # followed through it
+                        assert tail[-1].data["status"] == "cancelled"
+                        ids = [int(e.id.split(":")[1]) for e in tail]
+                        assert ids == sorted(set(ids))  # in order, no duplicate
+            assert "re-asserted" in a.output()
 
 
 # -- 6. errors inside the protocol ----------------------------------------------------------------

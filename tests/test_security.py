@@ -208,7 +208,7 @@ async def test_rate_limit_is_shared_across_processes_through_redis(settings, red
             await other_user.aread()
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize("backend", ["memory", "redis", "cluster"])
 async def test_concurrent_generations_are_capped_per_address_with_auth_off(
     settings, fake_model, backend, request
 ):
@@ -217,6 +217,8 @@ async def test_concurrent_generations_are_capped_per_address_with_auth_off(
     changes = {"limits": {"max_concurrent_generations": 1}}
     if backend == "redis":
         changes["redis"] = {"url": request.getfixturevalue("redis_url")}
+    elif backend == "cluster":
+        changes["redis"] = {"url": request.getfixturevalue("redis_cluster").url, "cluster": True}
     with serve(create_app(settings.replace(**changes))) as server:
         elsewhere = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
         async with (

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.errors import Conflict, Forbidden, Unavailable
+from app.errors import Conflict, Forbidden, NotFound, Unavailable
 from app.store import Chat, Saved, StoredMessage, StoredResponse, open_store
 from app.store.postgres import MIGRATIONS as PG_MIGRATIONS
 from app.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
@@ -395,3 +395,71 @@ async def test_collections_their_shares_and_documents(store):
     assert await store.delete_collection("k1")
     assert await store.get_collection("k1") is None and await store.get_document("d1") is None
     assert [c.id for c in await store.list_collections("u3")] == []
+
+
+async def test_groups_share_collections_with_their_members(store):
+    from dataclasses import replace
+
+    from app.store import CollectionRecord, GroupRecord
+
+    ops = GroupRecord("g1", "ops", 1.0, members=("u2", "u3"))
+    await store.add_group(ops)
+    await store.add_group(GroupRecord("g2", "hr", 2.0))
+    with pytest.raises(Conflict):
+        await store.add_group(GroupRecord("g3", "ops", 3.0))
+    assert [g.name for g in await store.list_groups()] == ["hr", "ops"]
+    assert await store.list_groups("u2") == [ops]
+    book = CollectionRecord("k1", "u1", "Runbooks", "", 10.0, groups=("g1",))
+    await store.add_collection(book)
+    assert (await store.get_collection("k1")).groups == ("g1",)
+    assert [c.id for c in await store.list_collections("u3")] == ["k1"]
+    assert await store.update_group(replace(ops, name="sre", members=("u3",)))
+    assert await store.list_collections("u2") == []
+    assert [c.id for c in await store.list_collections("u3")] == ["k1"]
+    assert not await store.update_group(GroupRecord("nope", "x", 1.0))
+    await store.update_collection(replace(book, groups=("g1", "g2"), shared=("u9",)))
+    got = await store.get_collection("k1")
+    assert got.groups == ("g1", "g2") and got.shared == ("u9",)
+    assert await store.delete_group("g1") and not await store.delete_group("g1")
+    assert await store.list_collections("u3") == []
+    assert (await store.get_collection("k1")).groups == ("g2",)
+    assert await store.get_group("g1") is None and (await store.get_group("g2")).name == "hr"
+
+
+async def test_documents_past_the_limit_are_refused_in_the_transaction_that_adds_them(store):
+    from dataclasses import replace
+
+    from app.store import CollectionRecord, DocumentRecord
+
+    await store.add_collection(CollectionRecord("k1", "u1", "Docs", "", 10.0))
+
+    def doc(n, status="indexing"):
+        return DocumentRecord(
+            f"d{n}", "k1", f"i{n % 2}", f"{n}.md", "text", 1, 10.0 + n, status=status
+        )
+
+    await store.add_documents([doc(0, "failed"), doc(1, "failed")])  # failed ones do not count
+    stored = await asyncio.gather(
+        store.add_documents([doc(2), doc(3)], max_documents=3),
+        store.add_documents([doc(4), doc(5)], max_documents=3),
+    )
+    statuses = [d.status for batch in stored for d in batch]
+    assert statuses.count("indexing") == 3 and statuses.count("failed") == 1
+    refused = next(d for batch in stored for d in batch if d.status == "failed")
+    assert refused.code == 413 and "3 documents" in refused.error
+    assert (await store.get_document(refused.id)).status == "failed"
+    total, done, failed = await store.import_progress("k1", "i0")
+    assert (total, done) == (3, 1 + (refused.import_id == "i0"))
+    assert [d.id for d in failed] == ["d0"] + ([refused.id] if refused.import_id == "i0" else [])
+    assert await store.import_progress("k1", "nope") == (0, 0, [])
+    assert await store.ready_documents(["d2", "d3", "nope"]) == set()
+    ready = next(d for batch in stored for d in batch if d.status == "indexing")
+    await store.finish_document(replace(ready, status="ready"))
+    assert await store.ready_documents([ready.id, "d0"]) == {ready.id}
+    with pytest.raises(NotFound):
+        await store.add_documents([DocumentRecord("x", "gone", "i", "x.md", "text", 1, 1.0)])
+    swept = await store.fail_orphaned_documents("lost", time.time() + 60)
+    assert sorted(swept) == sorted(
+        ("k1", d.id) for batch in stored for d in batch if d.status == "indexing" and d != ready
+    )
+    assert await store.fail_orphaned_documents("lost", time.time() + 60) == []

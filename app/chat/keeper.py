@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..chores import Chores
-from ..collections.service import STOPPED as DOCUMENT_LOST
 from ..errors import AppError, Unavailable
 from ..events import Event
 from ..store import Checkpoint, Saved, Store, StoredMessage
@@ -334,19 +333,11 @@ class AnswerKeeper:
         return closed
 
     async def _sweep_files(self) -> None:
-        """Mark uploads and collection documents left `indexing` by a process that
-        died as failed (whatever became of the answers' sweep)."""
+        """Mark uploads left `indexing` by a process that died as failed (whatever
+        became of the answers' sweep; the collections service sweeps its documents)."""
         files = await self.store.fail_orphaned_files(FILE_LOST, time.time() - FILE_GRACE)
         if files:
             log.info("marked %d uploads left indexing by a stopped process as failed", files)
-        documents = await self.store.fail_orphaned_documents(
-            DOCUMENT_LOST, time.time() - FILE_GRACE
-        )
-        if documents:
-            log.info(
-                "marked %d collection documents left indexing by a stopped process as failed",
-                documents,
-            )
 
     async def _close_orphan(self, answer: StoredMessage, logged: list[Event]) -> int:
         """Save one orphan. A store that is away stops the sweep (the next one goes

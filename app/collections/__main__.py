@@ -6,10 +6,12 @@ and the environment, as `python -m app` reads them):
                                                     collection and every user's uploads)
     python -m app.collections spaces                list the engine's spaces
 
-Run `reembed` after changing the embeddings model; searches go on meanwhile (a space
-being rewritten answers from BM25 alone for that moment). With several server
-processes on the embedded engine, run it while they are stopped or idle: the engine
-has one writer per space at a time.
+Run `reembed` after changing the embeddings model; searches go on meanwhile, with the
+old vectors until a space's new ones are all made and swapped in at once (a model that
+fails midway leaves the space as it was). Run it while no import is running: passages
+added to a space after it was read keep the vectors they were given. With several
+server processes on the embedded engine, run it while they are idle: the engine has
+one writer per space at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from .retrieval import reembed
 
 async def run(settings: config.Settings, command: str, spaces: Sequence[str]) -> str:
     """Run one command; what it prints."""
-    async with open_engine(settings.collections.url) as engine:
+    async with open_engine(
+        settings.collections.url, vector_cache_bytes=settings.collections.vector_cache_mb << 20
+    ) as engine:
         if command == "spaces":
             return "\n".join(await engine.spaces())
         embedder = Embedder(settings.embeddings)

@@ -2,36 +2,60 @@
 folder tree (each titled by its path inside the zip), each checked before anything
 is read — so a bad entry is refused by name and the rest of the import goes on.
 
+Nothing of an import is held in memory: each document's bytes are copied into a file
+of the spool folder (an uploaded file straight from the request's own spool, a zip's
+entry as it is unpacked), and read back when its batch is indexed.
+
 Refused (each a `Refusal` with the HTTP status a client would get alone):
 a path that climbs out of the zip (`../`, absolute, a drive) 400, a symlink 400, an
 encrypted entry 422, a type that is not read 415, an entry or an import larger than
-the limits 413, an entry that unpacks to more than `MAX_RATIO` times its packed size
-(a zip bomb) 413. The bytes read from an entry never exceed what its header declared
-and the limit: a header that lies cannot make it read more.
+the limits 413, a zip bomb 413: an entry that unpacks to more than `MAX_RATIO` times
+its packed size, or entries that together would unpack to more than `MAX_RATIO` times
+the whole zip (many small entries of nothing). The bytes read from an entry never
+exceed what its header declared and the limit: a header that lies cannot make it
+read more.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import os
 import posixpath
+import shutil
 import stat
+import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, BinaryIO
 
 from ..errors import BadRequest
 from ..files.extract import kind_of
 
 MAX_RATIO = 200
+#: a zip of less than this unpacked is never a bomb, whatever its ratio
+RATIO_FLOOR = 1 << 20
 MAX_ENTRY_TITLE = 300
+COPY_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A file to make a document of: its title (a name, or a path in a zip), kind, bytes."""
+    """A file to make a document of: its title (a name, or a path in a zip), kind, and
+    its bytes in the spool file `path` (`size` of them), which its reader deletes."""
 
     title: str
     kind: str
-    data: bytes
+    path: str
+    size: int
+
+    def read(self) -> bytes:
+        return Path(self.path).read_bytes()
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,30 +67,71 @@ class Refusal:
 
 
 def entries(
-    name: str, data: bytes, *, max_file_bytes: int, max_total_bytes: int, max_files: int
+    name: str,
+    upload: BinaryIO,
+    spool: Path,
+    *,
+    max_file_bytes: int,
+    max_total_bytes: int,
+    max_files: int,
 ) -> tuple[list[Entry], list[Refusal]]:
-    """The documents in one uploaded file (a zip: its files), and what was refused."""
+    """The documents in one uploaded file (a zip: its files), each copied into a file
+    of `spool`, and what was refused. Blocks on disk: run it in a thread."""
+    upload.seek(0, os.SEEK_END)
+    size = upload.tell()
+    upload.seek(0)
     if not name.lower().endswith(".zip"):
         try:
             kind = kind_of(name)
         except BadRequest as exc:
-            return [], [Refusal(name, exc.message, exc.status, len(data))]
-        if len(data) > max_file_bytes:
-            return [], [Refusal(name, f"larger than {max_file_bytes} bytes", 413, len(data))]
-        return [Entry(name, kind, data)], []
-    return _unzip(name, data, max_file_bytes, max_total_bytes, max_files)
+            return [], [Refusal(name, exc.message, exc.status, size)]
+        if size > max_file_bytes:
+            return [], [Refusal(name, f"larger than {max_file_bytes} bytes", 413, size)]
+        if size > max_total_bytes:
+            return [], [Refusal(name, f"the import passes its bytes ({size})", 413, size)]
+        if max_files <= 0:
+            return [], [Refusal(name, "more files than one import takes", 413, size)]
+        path = _spooled(spool, upload, size)
+        return [Entry(name, kind, path, size)], []
+    return _unzip(name, upload, size, spool, max_file_bytes, max_total_bytes, max_files)
+
+
+def _spooled(spool: Path, source: IO[bytes], limit: int) -> str:
+    """A new file of `spool` with at most `limit` (+1) bytes of `source`; its path."""
+    handle, path = tempfile.mkstemp(dir=spool, suffix=".part")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            left = limit + 1
+            while left > 0:
+                chunk = source.read(min(COPY_CHUNK, left))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return path
 
 
 def _unzip(
-    name: str, data: bytes, max_file_bytes: int, max_total_bytes: int, max_files: int
+    name: str,
+    upload: BinaryIO,
+    packed: int,
+    spool: Path,
+    max_file_bytes: int,
+    max_total_bytes: int,
+    max_files: int,
 ) -> tuple[list[Entry], list[Refusal]]:
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile:
-        return [], [Refusal(name, "not a valid zip file", 422, len(data))]
+        archive = zipfile.ZipFile(upload)
+    except (zipfile.BadZipFile, OSError):
+        return [], [Refusal(name, "not a valid zip file", 422, packed)]
     found: list[Entry] = []
     refused: list[Refusal] = []
     total = 0
+    budget = max(MAX_RATIO * max(packed, 1), RATIO_FLOOR)  # unpacked bytes, whole zip
     with archive:
         for info in archive.infolist():
             if info.is_dir():
@@ -108,6 +173,17 @@ def _unzip(
                     )
                 )
                 continue
+            if total + info.file_size > budget:
+                refused.append(
+                    Refusal(
+                        title,
+                        f"the zip would unpack to more than {MAX_RATIO} times its"
+                        f" {packed} bytes (a zip bomb?)",
+                        413,
+                        info.file_size,
+                    )
+                )
+                continue
             if total + info.file_size > max_total_bytes:
                 refused.append(
                     Refusal(
@@ -120,13 +196,37 @@ def _unzip(
                 continue
             try:
                 with archive.open(info) as member:
-                    body = member.read(min(info.file_size, max_file_bytes) + 1)
-            except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError) as exc:
+                    spooled = _spooled(spool, member, min(info.file_size, max_file_bytes))
+            except (
+                zipfile.BadZipFile,
+                OSError,
+                RuntimeError,
+                NotImplementedError,
+                zlib.error,
+            ) as exc:
                 refused.append(Refusal(title, f"cannot be unpacked ({type(exc).__name__})", 422))
                 continue
-            if len(body) > info.file_size:
+            size = os.path.getsize(spooled)
+            if size > info.file_size:
+                os.unlink(spooled)
                 refused.append(Refusal(title, "larger than its zip entry says", 413))
                 continue
-            total += len(body)
-            found.append(Entry(title, kind, body))
+            total += size
+            found.append(Entry(title, kind, spooled, size))
     return found, refused
+
+
+def discard(found: list[Entry]) -> None:
+    for entry in found:
+        entry.discard()
+
+
+def new_spool(folder: str) -> Path:
+    """A fresh folder for this process's imports (in `folder`, or the system's temp)."""
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="imports-", dir=folder or None))
+
+
+def remove_spool(spool: Path) -> None:
+    shutil.rmtree(spool, ignore_errors=True)

@@ -113,6 +113,15 @@ class Engine(abc.ABC):
         """Every passage of the space, by document and number (for re-embedding)."""
 
     @abc.abstractmethod
+    async def set_vectors(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None
+    ) -> None:
+        """Give these passages of the space new embeddings (one row each; None: none),
+        all at once: searches see the old vectors until it returns, and when it raises
+        the space is as it was. The width may change; passages of the space not given
+        lose theirs. Passages are not changed (their text stays as indexed)."""
+
+    @abc.abstractmethod
     async def has_vectors(self, space: str) -> bool:
         """Whether the space's passages have embeddings."""
 
@@ -125,15 +134,16 @@ class Engine(abc.ABC):
         """Every space with passages in it, sorted."""
 
 
-def open_engine(url: str) -> Engine:
-    """`tantivy:////abs/folder` (embedded, the default), `milvus:////abs/file.db` (Milvus
-    Lite) or `milvus://host:19530` (a Milvus server or cluster; `?token=…&db=…`).
-    Drivers are imported lazily. Raises ValueError for another scheme."""
+def open_engine(url: str, *, vector_cache_bytes: int = 512 << 20) -> Engine:
+    """`tantivy:////abs/folder` (embedded, the default; it keeps at most
+    `vector_cache_bytes` of vectors in memory), `milvus:////abs/file.db` (Milvus Lite)
+    or `milvus://host:19530` (a Milvus server or cluster; `?token=…&db=…`). Drivers are
+    imported lazily. Raises ValueError for another scheme."""
     scheme = url.partition(":")[0].lower()
     if scheme == "tantivy":
         from .tantivy_engine import TantivyEngine
 
-        return TantivyEngine(url)
+        return TantivyEngine(url, vector_cache_bytes=vector_cache_bytes)
     if scheme in ("milvus", "milvus+https"):
         from .milvus_engine import MilvusEngine
 

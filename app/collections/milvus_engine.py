@@ -8,6 +8,11 @@ A query string may carry `token` and `db`. Each space is one Milvus collection
 (`sc_<hex of the space>`), so BM25 statistics are per knowledge collection, with
 "Session" consistency: a process reads its own writes at once, other processes within
 Milvus's staleness bound. The client is synchronous; every call runs in a thread.
+
+Every passage of a space is read with a query iterator (Milvus refuses a query whose
+offset + limit passes 16,384). New vectors for a space are written into a new
+collection (`sn_…`) that then takes the space's name (the old one renamed `so_…` for
+that moment, then dropped); `open` finishes a swap a stopped process left halfway.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ FIELDS = ["doc", "n", "page", "title", "url", "text"]
 
 
 PREFIX = "sc_"
+NEW, OLD = "sn_", "so_"  # a space's vectors being replaced: the new copy, the old one
 
 
-def _name(space: str) -> str:
+def _name(space: str, prefix: str = PREFIX) -> str:
     """A Milvus collection name (letters, digits, '_') that gives the space back."""
-    return PREFIX + space.encode().hex()
+    return prefix + space.encode().hex()
 
 
 def _space(name: str) -> str:
@@ -77,6 +83,22 @@ class MilvusEngine(Engine):
             self.client = MilvusClient(**kwargs)
         except Exception as exc:  # pymilvus raises many kinds
             raise EngineError(f"Milvus cannot be reached: {type(exc).__name__}") from exc
+        self._finish_swaps()
+
+    def _finish_swaps(self) -> None:
+        """A swap of vectors cut short: the old copy back where the space has none, and
+        every leftover copy dropped."""
+        names = set(self._call("list_collections"))
+        for name in sorted(names):
+            if name.startswith(OLD):
+                current = PREFIX + name[len(OLD) :]
+                if current in names:
+                    self._call("drop_collection", name)
+                else:
+                    self._call("rename_collection", name, current)
+                    self._call("load_collection", current)
+            elif name.startswith(NEW):
+                self._call("drop_collection", name)
 
     async def close(self) -> None:
         client, self.client = self.client, None
@@ -96,7 +118,7 @@ class MilvusEngine(Engine):
     def _exists(self, space: str) -> bool:
         return bool(self._call("has_collection", _name(space)))
 
-    def _create(self, space: str, dims: int | None) -> None:
+    def _create(self, space: str, dims: int | None, prefix: str = PREFIX) -> None:
         from pymilvus import DataType, Function, FunctionType
 
         schema = self._call("create_schema", auto_id=False)
@@ -128,7 +150,7 @@ class MilvusEngine(Engine):
             index.add_index("dense", index_type="AUTOINDEX", metric_type="COSINE")
         self._call(
             "create_collection",
-            _name(space),
+            _name(space, prefix),
             schema=schema,
             index_params=index,
             consistency_level="Session",
@@ -160,24 +182,7 @@ class MilvusEngine(Engine):
         dims = self._dims_of(space)
         ids = sorted({p.document_id for p in passages})
         self._call("delete", _name(space), filter=f"doc in {_quoted(ids)}")
-        rows = []
-        for i, p in enumerate(passages):
-            row: dict[str, Any] = {
-                "pk": f"{p.document_id}:{p.n}",
-                "doc": p.document_id,
-                "n": p.n,
-                "page": p.page,
-                "title": p.title[:1024],
-                "url": p.url[:4096],
-                "text": p.text[:TEXT_CHARS],
-            }
-            if dims:
-                row["dense"] = (
-                    unit(vectors[i])[0].tolist()
-                    if vectors is not None and vectors.shape[1] == dims
-                    else [0.0] * dims
-                )
-            rows.append(row)
+        rows = _rows(passages, vectors, dims)
         try:
             for start in range(0, len(rows), PAGE_ROWS):
                 self._call("insert", _name(space), rows[start : start + PAGE_ROWS])
@@ -255,24 +260,60 @@ class MilvusEngine(Engine):
         if not self._exists(space):
             return []
         out: list[Passage] = []
-        offset = 0
-        while True:
-            rows = self._call(
-                "query",
-                _name(space),
-                filter='doc != ""',
-                output_fields=FIELDS,
-                limit=PAGE_ROWS,
-                offset=offset,
-            )
-            out += [
-                Passage(r["doc"], int(r["n"]), int(r["page"]), r["title"], r["url"], r["text"])
-                for r in rows
-            ]
-            if len(rows) < PAGE_ROWS:
-                break
-            offset += PAGE_ROWS
+        pages = self._call(
+            "query_iterator",
+            _name(space),
+            batch_size=PAGE_ROWS,
+            filter='doc != ""',
+            output_fields=FIELDS,
+        )
+        try:
+            while True:
+                try:
+                    rows = pages.next()
+                except Exception as exc:  # pymilvus's MilvusException and gRPC errors
+                    raise EngineError(f"Milvus failed: {exc}") from exc
+                if not rows:
+                    break
+                out += [
+                    Passage(r["doc"], int(r["n"]), int(r["page"]), r["title"], r["url"], r["text"])
+                    for r in rows
+                ]
+        finally:
+            pages.close()
         return sorted(out, key=lambda p: (p.document_id, p.n))
+
+    async def set_vectors(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None
+    ) -> None:
+        await asyncio.to_thread(self._set_vectors, space, list(passages), vectors)
+
+    def _set_vectors(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None:
+        """The passages with their new vectors written into a new collection, which
+        then takes the space's name: the old one answers searches until then."""
+        if vectors is not None and len(vectors) != len(passages):
+            raise ValueError(f"{len(vectors)} vectors for {len(passages)} passages")
+        if not self._exists(space):
+            return
+        dims = vectors.shape[1] if vectors is not None and len(passages) else None
+        new, old = _name(space, NEW), _name(space, OLD)
+        with self._lock:
+            if self._call("has_collection", new):
+                self._call("drop_collection", new)
+            self._create(space, dims, NEW)
+            try:
+                rows = _rows(passages, vectors, dims or 0)
+                for start in range(0, len(rows), PAGE_ROWS):
+                    self._call("insert", new, rows[start : start + PAGE_ROWS])
+                self._call("flush", new)
+            except BaseException:
+                self._call("drop_collection", new)
+                raise
+            self._call("rename_collection", _name(space), old)
+            self._call("rename_collection", new, _name(space))
+            self._call("load_collection", _name(space))  # a renamed one may be released
+            self._call("drop_collection", old)
+            self._dims.pop(space, None)
 
     async def has_vectors(self, space: str) -> bool:
         return await asyncio.to_thread(lambda: self._exists(space) and self._dims_of(space) > 0)
@@ -291,3 +332,27 @@ class MilvusEngine(Engine):
     async def spaces(self) -> list[str]:
         names = await asyncio.to_thread(self._call, "list_collections")
         return sorted(_space(n) for n in names if n.startswith(PREFIX))
+
+
+def _rows(passages: Sequence[Passage], vectors: np.ndarray | None, dims: int) -> list[Any]:
+    """The passages as rows of a space's collection (zero vectors where a passage has
+    none of the collection's width)."""
+    rows = []
+    for i, p in enumerate(passages):
+        row: dict[str, Any] = {
+            "pk": f"{p.document_id}:{p.n}",
+            "doc": p.document_id,
+            "n": p.n,
+            "page": p.page,
+            "title": p.title[:1024],
+            "url": p.url[:4096],
+            "text": p.text[:TEXT_CHARS],
+        }
+        if dims:
+            row["dense"] = (
+                unit(vectors[i])[0].tolist()
+                if vectors is not None and vectors.shape[1] == dims
+                else [0.0] * dims
+            )
+        rows.append(row)
+    return rows

@@ -1,11 +1,15 @@
 """The one retrieval path: hybrid search over spaces of the engine, for knowledge
 collections and for a user's uploads alike.
 
-    BM25        each space's own statistics (the engine's `lexical`)
+    BM25        each space's own statistics (the engine's `lexical`); the spaces' lists
+                merged into one ranking by score (`by_score`), so a collection with
+                nothing relevant does not rank its best weak match beside another's
+                best answer
     dense       the question's embedding, nearest by cosine (`nearest`), when an
-                embeddings model is configured and answers
-    fusion      reciprocal rank (`fuse`), the dense ranking weighted by
-                `collections.dense_weight`
+                embeddings model is configured and answers; merged across spaces by
+                cosine, which one model makes comparable
+    fusion      reciprocal rank (`fuse`) of those two rankings, the dense one weighted
+                by `collections.dense_weight`
     rerank      the fused candidates sent to `collections.rerank.url`, when set
 
 Cancelling is safe at any step: engine calls run in threads whose results are
@@ -25,7 +29,7 @@ import numpy as np
 from ..config import CollectionSettings
 from ..errors import AppError
 from ..llm import Embedder
-from .base import Engine, Hit, Passage
+from .base import Engine, Hit
 
 log = logging.getLogger("app.collections")
 
@@ -46,6 +50,13 @@ def fuse(
             hits.setdefault(hit.key, hit)
     order = sorted(scores, key=lambda key: -scores[key])
     return [replace(hits[key], score=scores[key]) for key in order]
+
+
+def by_score(rankings: Sequence[Sequence[Hit]], limit: int) -> list[Hit]:
+    """Several spaces' rankings of one kind as one, best score first (ties in the
+    order given): BM25 over each space's statistics, or cosine, is on one scale."""
+    merged = [hit for ranking in rankings for hit in ranking]
+    return sorted(merged, key=lambda hit: -hit.score)[:limit]
 
 
 class Reranker:
@@ -113,18 +124,26 @@ class Retriever:
         if not spaces:
             return []
         depth = max(limit, self.settings.candidates)
-        searches = [self.engine.lexical(s, query, depth, documents) for s in spaces]
-        if self.embedder.configured:
+
+        async def dense() -> list[Hit]:
+            if not self.embedder.configured:
+                return []
             try:
                 vector = (await self.embedder.embed([query]))[0]
             except AppError as exc:
                 log.info("query not embedded (%s): ranking passages with BM25", exc.message)
-            else:
-                searches += [self.engine.nearest(s, vector, depth, documents) for s in spaces]
-        rankings = await asyncio.gather(*searches)
-        weights = [1.0] * len(spaces)
-        weights += [self.settings.dense_weight] * (len(rankings) - len(spaces))
-        fused = fuse(rankings, self.settings.rrf_k, weights)
+                return []
+            near = [self.engine.nearest(s, vector, depth, documents) for s in spaces]
+            return by_score(await asyncio.gather(*near), depth)
+
+        lexical, nearest = await asyncio.gather(
+            asyncio.gather(*(self.engine.lexical(s, query, depth, documents) for s in spaces)),
+            dense(),
+        )
+        rankings = [by_score(lexical, depth)]
+        if nearest:
+            rankings.append(nearest)
+        fused = fuse(rankings, self.settings.rrf_k, [1.0, self.settings.dense_weight])
         if self.reranker is not None:
             fused = await self.reranker.rerank(query, fused[: limit * 3])
         return fused[:limit]
@@ -143,19 +162,16 @@ async def embed_texts(embedder: Embedder, texts: Sequence[str], batch: int) -> n
 async def reembed(engine: Engine, embedder: Embedder, spaces: Sequence[str], batch: int) -> int:
     """Embed every passage of these spaces again with the configured model (after the
     model changed), one space at a time; returns how many passages. Every vector of a
-    space is made before the space is rewritten, so a model that fails leaves it as it
-    was. Without an embeddings model the vectors are removed (BM25 alone ranks)."""
+    space is made before the space is changed, and the engine swaps them in at once
+    (`set_vectors`): searches meanwhile rank with the old vectors, and a model or a
+    process that fails leaves the space as it was. Without an embeddings model the
+    vectors are removed (BM25 alone ranks)."""
     count = 0
     for space in spaces:
-        by_document: dict[str, list[Passage]] = {}
-        for p in await engine.passages(space):
-            by_document.setdefault(p.document_id, []).append(p)
-        embedded = [
-            (group, await embed_texts(embedder, [p.text for p in group], batch))
-            for group in by_document.values()
-        ]
-        await engine.drop(space)  # the vectors' width may have changed
-        for group, vectors in embedded:
-            await engine.add(space, group, vectors)
-            count += len(group)
+        passages = await engine.passages(space)
+        if not passages:
+            continue
+        vectors = await embed_texts(embedder, [p.text for p in passages], batch)
+        await engine.set_vectors(space, passages, vectors)
+        count += len(passages)
     return count

@@ -2,6 +2,12 @@
 and the passages with their embeddings in a SQLite file beside it, ranked by cosine
 with numpy over a matrix kept in memory per space.
 
+The matrices of the spaces searched last stay in memory, at most `vector_cache_bytes`
+of them together (the least recently searched are let go). A write moves its space's
+version on; the next search of it reads only the rows added since (a delete, or new
+vectors, has it read the space again). One space is read at a time, on a connection
+of its own, so a big read holds up no other search of the engine.
+
     <folder>/passages.db        space, document, n → page, title, url, text, vector
     <folder>/<space>/           one Tantivy index per space (its own BM25 statistics)
 
@@ -19,8 +25,9 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +52,10 @@ CREATE TABLE IF NOT EXISTS passages (
 );
 CREATE TABLE IF NOT EXISTS versions (space TEXT PRIMARY KEY, version INTEGER NOT NULL);
 """
+#: `removed` moves on with a write that took rows away or changed vectors: a cached
+#: matrix can then not be brought up to date by appending the rows added since
+ADD_REMOVED = "ALTER TABLE versions ADD COLUMN removed INTEGER NOT NULL DEFAULT 0"
+GROWTH = 1.5  # a matrix's room grows by this factor when rows are appended
 
 
 def _schema() -> tantivy.Schema:
@@ -64,6 +75,10 @@ RESCORE_PER_RESULT = 10
 class _Vectors:
     """A space's embeddings as unit rows, and which passage each row is.
 
+    `version` and `removed` are the space's when it was read, `last_rowid` the last
+    row read: rows added since are appended (into spare room of `buffer`, shared
+    with the older copy, which never looks past its own `count`).
+
     A large space also keeps one bit per dimension (the sign of the row minus the
     space's mean row): its nearest passages are the best by cosine among the
     `RESCORE_PER_RESULT` × limit whose bits differ least from the query's. Reading
@@ -71,23 +86,60 @@ class _Vectors:
     bits are 32 times less to read."""
 
     version: int
+    removed: int = 0
+    last_rowid: int = 0
     keys: list[tuple[str, int]] = field(default_factory=list)
-    matrix: np.ndarray | None = None
+    buffer: np.ndarray | None = None
+    count: int = 0
     mean: np.ndarray | None = None
     codes: np.ndarray | None = None
 
+    @property
+    def matrix(self) -> np.ndarray | None:
+        return None if self.buffer is None else self.buffer[: self.count]
+
+    @property
+    def nbytes(self) -> int:
+        size = 0 if self.buffer is None else self.buffer.nbytes
+        return size + (0 if self.codes is None else self.codes.nbytes) + 64 * len(self.keys)
+
+    def appended(
+        self, version: int, last_rowid: int, keys: list[tuple[str, int]], rows: np.ndarray
+    ) -> _Vectors:
+        """A newer copy with `rows` (unit, of this width) after this one's."""
+        fresh = replace(self, version=version, last_rowid=last_rowid)
+        if not keys:
+            return fresh
+        buffer = self.buffer
+        total = self.count + len(rows)
+        if buffer is None or len(buffer) < total:
+            room = max(total, int(self.count * GROWTH))
+            grown = np.empty((room, rows.shape[1]), dtype=np.float32)
+            if buffer is not None:
+                grown[: self.count] = buffer[: self.count]
+            buffer = grown
+        buffer[self.count : total] = rows
+        fresh.buffer, fresh.count, fresh.keys = buffer, total, [*self.keys, *keys]
+        if self.codes is not None and self.mean is not None:
+            fresh.codes = np.concatenate([self.codes, _bits(rows - self.mean)])
+        else:
+            fresh.quantize()
+        return fresh
+
     def quantize(self) -> None:
-        if self.matrix is None or len(self.matrix) < QUANTIZE_ROWS:
+        matrix = self.matrix
+        if matrix is None or len(matrix) < QUANTIZE_ROWS:
             return
-        self.mean = self.matrix.mean(axis=0)
-        self.codes = _bits(self.matrix - self.mean)
+        self.mean = matrix.mean(axis=0)
+        self.codes = _bits(matrix - self.mean)
 
     def scores(self, query: np.ndarray, limit: int, mask: np.ndarray | None) -> np.ndarray:
         """Every row's cosine with `query` (-inf where `mask` is False); in a large
         space -inf too for the rows that were not candidates."""
-        assert self.matrix is not None
+        matrix = self.matrix
+        assert matrix is not None
         if self.codes is None or self.mean is None:
-            exact: np.ndarray = self.matrix @ query
+            exact: np.ndarray = matrix @ query
             return np.where(mask, exact, -np.inf) if mask is not None else exact
         distance = np.bitwise_count(self.codes ^ _bits(query - self.mean)).sum(
             axis=1, dtype=np.uint32
@@ -100,8 +152,8 @@ class _Vectors:
             if wanted < len(distance)
             else np.arange(len(distance))
         )
-        scores = np.full(len(self.matrix), -np.inf, dtype=np.float32)
-        scores[rows] = self.matrix[rows] @ query
+        scores = np.full(len(matrix), -np.inf, dtype=np.float32)
+        scores[rows] = matrix[rows] @ query
         if mask is not None:
             scores = np.where(mask, scores, -np.inf)
         return scores
@@ -114,14 +166,20 @@ def _bits(rows: np.ndarray) -> np.ndarray:
 
 
 class TantivyEngine(Engine):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, vector_cache_bytes: int = 512 << 20) -> None:
         self.folder = Path(url_path(url))
         self.schema = _schema()
         self._indexes: dict[str, tantivy.Index] = {}
         self._writing: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # the maps above, and the SQLite connection
-        self._vectors: dict[str, _Vectors] = {}
+        #: spaces' matrices, least recently searched first, and their bytes together
+        self._vectors: OrderedDict[str, _Vectors] = OrderedDict()
+        self._cached_bytes = 0
+        self.vector_cache_bytes = vector_cache_bytes
+        self._cache_lock = threading.Lock()
+        self._loading = threading.Lock()  # one space read at a time, on `_reader`
         self._db: sqlite3.Connection | None = None
+        self._reader: sqlite3.Connection | None = None
 
     async def open(self) -> None:
         await asyncio.to_thread(self._open)
@@ -135,17 +193,27 @@ class TantivyEngine(Engine):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA busy_timeout=10000")
             db.executescript(SCHEMA_SQL)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
+            if "removed" not in columns:
+                db.execute(ADD_REMOVED)
+            reader = sqlite3.connect(
+                self.folder / "passages.db", check_same_thread=False, isolation_level=None
+            )
+            reader.execute("PRAGMA busy_timeout=10000")
         except (OSError, sqlite3.Error) as exc:
             raise EngineError(f"the collections folder cannot be opened: {exc}") from exc
-        self._db = db
+        self._db, self._reader = db, reader
 
     async def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        with self._lock, self._loading:
+            for connection in (self._db, self._reader):
+                if connection is not None:
+                    connection.close()
+            self._db = self._reader = None
             self._indexes.clear()
-            self._vectors.clear()
+            with self._cache_lock:
+                self._vectors.clear()
+                self._cached_bytes = 0
 
     # -- the parts ----------------------------------------------------------------------
 
@@ -204,22 +272,28 @@ class TantivyEngine(Engine):
             index.reload()
 
     def _bump(self, db_sql: list[tuple[str, Sequence[Any]]], space: str) -> None:
-        """Run statements and move the space's version on, in one transaction."""
+        """Run statements and move the space's version on, in one transaction; also its
+        `removed` count when a DELETE or an UPDATE among them changed a row (a cached
+        matrix cannot be brought up to date by appending then)."""
         if self._db is None:
             raise EngineError("the collections engine is closed")
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    removed = 0
                     for sql, params in db_sql:
                         if params and isinstance(params[0], tuple):
-                            self._db.executemany(sql, params)
+                            cursor = self._db.executemany(sql, params)
                         else:
-                            self._db.execute(sql, params)
+                            cursor = self._db.execute(sql, params)
+                        if not sql.startswith("INSERT") and cursor.rowcount > 0:
+                            removed = 1
                     self._db.execute(
-                        "INSERT INTO versions (space, version) VALUES (?, 1) ON CONFLICT (space)"
-                        " DO UPDATE SET version = version + 1",
-                        (space,),
+                        "INSERT INTO versions (space, version, removed) VALUES (?, 1, ?)"
+                        " ON CONFLICT (space) DO UPDATE SET version = version + 1,"
+                        " removed = removed + excluded.removed",
+                        (space, removed),
                     )
                     self._db.execute("COMMIT")
                 except BaseException:
@@ -247,8 +321,12 @@ class TantivyEngine(Engine):
             (space, p.document_id, p.n, p.page, p.title, p.url, p.text, blob)
             for p, blob in zip(passages, blobs, strict=True)
         )
-        insert = "INSERT OR REPLACE INTO passages VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-        self._bump([(insert, rows)], space)
+        ids = sorted({p.document_id for p in passages})
+        marks = ", ".join("?" * len(ids))
+        before = f"DELETE FROM passages WHERE space = ? AND document_id IN ({marks})"
+        insert = "INSERT INTO passages VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+        # a document added again is replaced whole (a shorter one leaves no old passages)
+        self._bump([(before, (space, *ids)), (insert, rows)], space)
 
         def change(writer: tantivy.IndexWriter) -> None:
             for document_id in {p.document_id for p in passages}:
@@ -259,7 +337,6 @@ class TantivyEngine(Engine):
         try:
             self._write(space, change)
         except BaseException:
-            ids = sorted({p.document_id for p in passages})
             self._forget(space, ids)
             raise
 
@@ -295,7 +372,7 @@ class TantivyEngine(Engine):
     def _drop(self, space: str) -> None:
         with self._lock:
             self._indexes.pop(space, None)
-            self._vectors.pop(space, None)
+        self._forget_matrix(space)
         self._bump([("DELETE FROM passages WHERE space = ?", (space,))], space)
         shutil.rmtree(self.folder / _safe(space), ignore_errors=True)
 
@@ -376,26 +453,91 @@ class TantivyEngine(Engine):
         return self._hits(space, keys)
 
     def _matrix(self, space: str) -> _Vectors:
-        """The space's embeddings, read again when another write moved its version on."""
+        """The space's embeddings, brought up to date when a write moved its version on:
+        by the rows added since, or read whole after a delete. One space is read at a
+        time; a search that finds it being read waits for that read and takes it."""
         rows = self._sql("SELECT version FROM versions WHERE space = ?", (space,))
         version = rows[0][0] if rows else 0
-        cached = self._vectors.get(space)
-        if cached is not None and cached.version == version:
+        cached = self._cached(space)
+        if cached is not None and cached.version >= version:
             return cached
-        found = self._sql(
-            "SELECT document_id, n, vector FROM passages WHERE space = ? AND vector IS NOT NULL"
-            " ORDER BY document_id, n",
-            (space,),
-        )
-        fresh = _Vectors(version)
-        if found:
-            width = {len(r[2]) for r in found}
-            if len(width) == 1:
-                fresh.keys = [(r[0], r[1]) for r in found]
-                raw = np.frombuffer(b"".join(r[2] for r in found), dtype=np.float32)
-                fresh.matrix = unit(raw.reshape(len(found), -1))
-                fresh.quantize()
-        self._vectors[space] = fresh
+        with self._loading:
+            cached = self._cached(space)
+            if cached is not None and cached.version >= version:
+                return cached  # read by the search this one waited for
+            fresh = self._load(space, cached)
+        self._remember(space, fresh)
+        return fresh
+
+    def _cached(self, space: str) -> _Vectors | None:
+        with self._cache_lock:
+            cached = self._vectors.get(space)
+            if cached is not None:
+                self._vectors.move_to_end(space)
+            return cached
+
+    def _remember(self, space: str, fresh: _Vectors) -> None:
+        """Keep `fresh` as the space's matrix, letting the least recently searched go
+        past `vector_cache_bytes` (one bigger than that is used, not kept)."""
+        with self._cache_lock:
+            old = self._vectors.pop(space, None)
+            if old is not None:
+                self._cached_bytes -= old.nbytes
+            if fresh.nbytes > self.vector_cache_bytes:
+                return
+            self._vectors[space] = fresh
+            self._cached_bytes += fresh.nbytes
+            while self._cached_bytes > self.vector_cache_bytes:
+                _, evicted = self._vectors.popitem(last=False)
+                self._cached_bytes -= evicted.nbytes
+
+    def _forget_matrix(self, space: str) -> None:
+        with self._cache_lock:
+            old = self._vectors.pop(space, None)
+            if old is not None:
+                self._cached_bytes -= old.nbytes
+
+    def _load(self, space: str, cached: _Vectors | None) -> _Vectors:
+        """Read the space's vectors (those after `cached`'s last row, when nothing was
+        removed since it was read) in one read transaction of `_reader`."""
+        reader = self._reader
+        if reader is None:
+            raise EngineError("the collections engine is closed")
+        try:
+            reader.execute("BEGIN")
+            try:
+                found = reader.execute(
+                    "SELECT version, removed FROM versions WHERE space = ?", (space,)
+                ).fetchone()
+                version, removed = (found[0], found[1]) if found else (0, 0)
+                appending = (
+                    cached is not None and cached.removed == removed and cached.buffer is not None
+                )
+                after = cached.last_rowid if cached is not None and appending else 0
+                rows = reader.execute(
+                    # NOT INDEXED: the rowid range, not every row of the space
+                    "SELECT rowid, document_id, n, vector FROM passages NOT INDEXED"
+                    " WHERE rowid > ? AND space = ? AND vector IS NOT NULL ORDER BY rowid",
+                    (after, space),
+                ).fetchall()
+            finally:
+                reader.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise EngineError(f"the collections engine failed: {exc}") from exc
+        last = max([r[0] for r in rows], default=after)
+        widths = {len(r[3]) for r in rows}
+        keys = [(r[1], r[2]) for r in rows]
+        if appending and cached is not None and cached.buffer is not None:
+            if not rows:
+                return cached.appended(version, last, [], np.empty((0, 0), np.float32))
+            if widths == {cached.buffer.shape[1] * 4}:
+                raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
+                return cached.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
+            return self._load(space, None)  # another width: read it whole
+        fresh = _Vectors(version, removed, last)
+        if rows and len(widths) == 1:
+            raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
+            fresh = fresh.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
         return fresh
 
     async def passages(self, space: str) -> list[Passage]:
@@ -406,6 +548,32 @@ class TantivyEngine(Engine):
             (space,),
         )
         return [Passage(*r) for r in rows]
+
+    async def set_vectors(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None
+    ) -> None:
+        await asyncio.to_thread(self._set_vectors, space, list(passages), vectors)
+
+    def _set_vectors(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None:
+        """One transaction: every vector of the space cleared, the new ones written (the
+        passages and Tantivy's index are left as they are)."""
+        rows: tuple[tuple[Any, ...], ...] = ()
+        if vectors is not None:
+            rows = tuple(
+                (np.asarray(row, dtype=np.float32).tobytes(), space, p.document_id, p.n)
+                for p, row in zip(passages, vectors, strict=True)
+            )
+        statements: list[tuple[str, Sequence[Any]]] = [
+            ("UPDATE passages SET vector = NULL WHERE space = ?", (space,))
+        ]
+        if rows:
+            statements.append(
+                (
+                    "UPDATE passages SET vector = ? WHERE space = ? AND document_id = ? AND n = ?",
+                    rows,
+                )
+            )
+        self._bump(statements, space)
 
     async def has_vectors(self, space: str) -> bool:
         rows = await asyncio.to_thread(

@@ -65,6 +65,12 @@ class Unreadable(BadRequest):
     status = 422
 
 
+def cited_page(kind: str, page: int) -> int:
+    """The page a passage of a `kind` file is cited with: its page (1-based) in a
+    format that has pages (PDF), 0 — no page — in one that has none."""
+    return page if kind == "pdf" else 0
+
+
 def kind_of(name: str) -> str:
     """What a file is read as, from its name; `BadRequest` (415) for another type."""
     extension = name.rsplit(".", 1)[-1].lower() if "." in name else ""

@@ -31,7 +31,7 @@ from ..ids import Snowflake
 from ..llm import Embedder
 from ..search.base import SearchResult
 from ..store import FileRecord, Store, StoredChunk
-from .extract import Extracted, extract, kind_of
+from .extract import Extracted, cited_page, extract, kind_of
 from .index import Bm25Index, bm25_scores, unit_rows
 
 log = logging.getLogger("app.files")
@@ -175,9 +175,10 @@ class FileService:
 
     async def _put_in_engine(self, record: FileRecord, chunks: Sequence[StoredChunk]) -> None:
         """The file's chunks (with their vectors, when all have them) in its owner's space."""
-        page = record.kind == "pdf"
         passages = [
-            IndexedPassage(record.id, c.n, c.page if page else 0, record.name, "File", c.text)
+            IndexedPassage(
+                record.id, c.n, cited_page(record.kind, c.page), record.name, "File", c.text
+            )
             for c in chunks
         ]
         matrix = None

@@ -369,7 +369,8 @@ async def until_deadline(coros: list[Coroutine[Any, Any, T]], deadline: float) -
 
 def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
     """Sources as the protocol sends and saves them; a file passage carries its
-    `fileId` (and `page`) and the whole passage as `pageContent`."""
+    `fileId`, a collection's its `collectionId` and `documentId` (and either its
+    `page`, in a PDF), and the whole passage as `pageContent`."""
     entries: list[dict[str, object]] = []
     for r in results:
         metadata: dict[str, object] = {"title": r.title, "url": r.url}
@@ -384,7 +385,8 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
         elif r.collection_id:
             metadata["collectionId"] = r.collection_id
             metadata["documentId"] = r.document_id
-            metadata["page"] = r.page
+            if r.page:  # as a file's: only a format with pages (PDF) has one
+                metadata["page"] = r.page
         passage = r.file_id or r.collection_id
         text = r.snippet if passage else (r.snippet or r.content)[:SNIPPET_CHARS]
         entries.append({"metadata": metadata, "pageContent": text})

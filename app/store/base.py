@@ -13,6 +13,7 @@ Errors are mapped at this boundary: a backend that cannot be reached raises
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
@@ -113,7 +114,8 @@ class StoredChunk:
 @dataclass(frozen=True, slots=True)
 class CollectionRecord:
     """A knowledge collection (PROTOCOL §12): owned by `owner`, readable by the users in
-    `shared`. `documents` and `chunks` are counted when it is read."""
+    `shared` and the members of the groups in `groups`. `documents` and `chunks` are
+    counted when it is read (failed documents have no chunks)."""
 
     id: str
     owner: str
@@ -123,6 +125,7 @@ class CollectionRecord:
     shared: tuple[str, ...] = ()
     documents: int = 0
     chunks: int = 0
+    groups: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,6 +137,26 @@ class CollectionRecord:
             "chunks": self.chunks,
             "createdAt": iso(self.created_at),
             "shared": list(self.shared),
+            "groups": list(self.groups),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRecord:
+    """A group of users (accounts), made by the admin; a collection shared with it is
+    readable by each member."""
+
+    id: str
+    name: str
+    created_at: float
+    members: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "members": list(self.members),
+            "createdAt": iso(self.created_at),
         }
 
 
@@ -379,10 +402,26 @@ SELECT_COLLECTION = f"SELECT {COLLECTION_COLUMNS}, {COLLECTION_COUNTS} FROM coll
 SQL_GET_COLLECTION = f"{SELECT_COLLECTION} WHERE c.id = ?"
 SQL_LIST_COLLECTIONS = (
     f"{SELECT_COLLECTION} WHERE c.owner = ? OR c.id IN"
-    " (SELECT collection_id FROM collection_shares WHERE user_id = ?)"
+    " (SELECT collection_id FROM collection_shares WHERE user_id = ?) OR c.id IN"
+    " (SELECT s.collection_id FROM collection_group_shares s JOIN user_group_members m"
+    " ON m.group_id = s.group_id WHERE m.user_id = ?)"
     " ORDER BY c.created_at DESC, c.id"
 )
 SQL_SHARES = "SELECT collection_id, user_id FROM collection_shares WHERE collection_id = ANY_OF"
+SQL_GROUP_SHARES = (
+    "SELECT collection_id, group_id FROM collection_group_shares WHERE collection_id = ANY_OF"
+)
+#: documents that count against `collections.max_documents` (a failed one has nothing)
+SQL_COUNT_DOCUMENTS = (
+    "SELECT count(*) FROM collection_documents WHERE collection_id = ? AND status != 'failed'"
+)
+SQL_SWEEP_DOCUMENTS = (
+    "UPDATE collection_documents SET status = 'failed', error = ?, code = 500"
+    " WHERE status = 'indexing' AND created_at < ? AND (indexer IS NULL OR indexer"
+    " NOT IN (SELECT token FROM workers WHERE expires_at > NOW))"
+    " RETURNING collection_id, id"
+)
+GROUP_COLUMNS = "id, name, created_at"
 SQL_ADD_DOCUMENT = (
     f"INSERT INTO collection_documents ({DOCUMENT_COLUMNS}, indexer)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -396,6 +435,14 @@ SQL_LIST_DOCUMENTS = (
     f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE collection_id = ?"
     " ORDER BY created_at, id"
 )
+SQL_IMPORT_COUNTS = (
+    "SELECT count(*), coalesce(sum(CASE WHEN status = 'indexing' THEN 0 ELSE 1 END), 0)"
+    " FROM collection_documents WHERE collection_id = ? AND import_id = ?"
+)
+SQL_IMPORT_FAILED = (
+    f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE collection_id = ?"
+    " AND import_id = ? AND status = 'failed' ORDER BY created_at, id"
+)
 SQL_IMPORT_DOCUMENTS = (
     f"SELECT {DOCUMENT_COLUMNS} FROM collection_documents WHERE collection_id = ?"
     " AND import_id = ? ORDER BY created_at, id"
@@ -407,7 +454,7 @@ def finish_document_params(d: DocumentRecord) -> tuple[Any, ...]:
 
 
 def collection_from_row(
-    row: Any, shared: Sequence[str] = (), documents: int = 0, chunks: int = 0
+    row: Any, shared: Sequence[str] = (), groups: Sequence[str] = ()
 ) -> CollectionRecord:
     return CollectionRecord(
         id=row[0],
@@ -416,9 +463,34 @@ def collection_from_row(
         description=row[3],
         created_at=row[4],
         shared=tuple(shared),
-        documents=int(documents or 0),
-        chunks=int(chunks or 0),
+        documents=int(row[5] or 0) if len(row) > 5 else 0,
+        chunks=int(row[6] or 0) if len(row) > 6 else 0,
+        groups=tuple(groups),
     )
+
+
+def limit_documents(
+    records: Sequence[DocumentRecord], counted: int, max_documents: int | None
+) -> list[DocumentRecord]:
+    """`records` with those to be indexed past `max_documents` (of which `counted`
+    are in the collection already) refused as 413."""
+    if max_documents is None:
+        return list(records)
+    room = max(0, max_documents - counted)
+    out = []
+    for record in records:
+        if record.status == "indexing":
+            if room <= 0:
+                record = dataclasses.replace(
+                    record,
+                    status="failed",
+                    error=f"the collection has its {max_documents} documents",
+                    code=413,
+                )
+            else:
+                room -= 1
+        out.append(record)
+    return out
 
 
 def document_from_row(row: Any) -> DocumentRecord:
@@ -791,15 +863,52 @@ class Store(abc.ABC):
         """The collection, its shares and its documents' records."""
 
     @abc.abstractmethod
-    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
-        """New documents (status `indexing`, or `failed` when refused at once), in one
-        transaction; `indexer` is the worker lease token of the process that reads them."""
+    async def add_documents(
+        self,
+        records: Sequence[DocumentRecord],
+        indexer: str = "",
+        max_documents: int | None = None,
+    ) -> list[DocumentRecord]:
+        """New documents of one collection (status `indexing`, or `failed` when refused
+        at once), in one transaction; `indexer` is the worker lease token of the process
+        that reads them. With `max_documents`, those `indexing` past that many (failed
+        ones not counted) are stored `failed` (413) instead — counted in the same
+        transaction, so concurrent imports cannot pass it together. Returns the records
+        as stored; `NotFound` when the collection is gone."""
 
     @abc.abstractmethod
-    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
+    async def fail_orphaned_documents(
+        self, error: str, created_before: float
+    ) -> list[tuple[str, str]]:
         """Mark `failed` (with `error`) the collection documents still `indexing` that
         were added before `created_before` by a process whose worker lease has run out.
-        Returns how many."""
+        Returns their (collection id, document id): each once, whichever process
+        sweeps at the same time."""
+
+    @abc.abstractmethod
+    async def ready_documents(self, document_ids: Sequence[str]) -> set[str]:
+        """Which of these documents exist and are `ready`."""
+
+    # -- groups (sharing collections with the accounts of a group) --------------------------
+
+    @abc.abstractmethod
+    async def add_group(self, record: GroupRecord) -> None:
+        """A new group with its members; `Conflict` when the name is taken."""
+
+    @abc.abstractmethod
+    async def get_group(self, group_id: str) -> GroupRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_groups(self, member: str | None = None) -> list[GroupRecord]:
+        """Every group (or those `member` is in), by name."""
+
+    @abc.abstractmethod
+    async def update_group(self, record: GroupRecord) -> bool:
+        """Its name and members as `record` says; False when it does not exist."""
+
+    @abc.abstractmethod
+    async def delete_group(self, group_id: str) -> bool:
+        """The group, its members and the collections' shares with it."""
 
     @abc.abstractmethod
     async def finish_document(self, record: DocumentRecord) -> None:
@@ -813,6 +922,13 @@ class Store(abc.ABC):
         self, collection_id: str, import_id: str | None = None
     ) -> list[DocumentRecord]:
         """A collection's documents (of one import), oldest first."""
+
+    @abc.abstractmethod
+    async def import_progress(
+        self, collection_id: str, import_id: str
+    ) -> tuple[int, int, list[DocumentRecord]]:
+        """An import's documents: how many, how many have ended (not `indexing`), and
+        the failed ones, oldest first — without reading the others."""
 
     @abc.abstractmethod
     async def delete_document(self, document_id: str) -> bool: ...

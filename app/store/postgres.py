@@ -16,22 +16,29 @@ from typing import Any
 import asyncpg
 import orjson
 
+from ..errors import NotFound
 from .base import (
     ACCOUNT_COLUMNS,
     API_KEY_COLUMNS,
     CHAT_COLUMNS,
     COLLECTION_COLUMNS,
     FILE_COLUMNS,
+    GROUP_COLUMNS,
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
     SQL_ADD_DOCUMENT,
+    SQL_COUNT_DOCUMENTS,
     SQL_FINISH_DOCUMENT,
     SQL_GET_COLLECTION,
     SQL_GET_DOCUMENT,
+    SQL_GROUP_SHARES,
+    SQL_IMPORT_COUNTS,
     SQL_IMPORT_DOCUMENTS,
+    SQL_IMPORT_FAILED,
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
     SQL_SHARES,
+    SQL_SWEEP_DOCUMENTS,
     Account,
     AccountChange,
     ApiKey,
@@ -41,6 +48,7 @@ from .base import (
     DocumentRecord,
     DriverErrors,
     FileRecord,
+    GroupRecord,
     Saved,
     Store,
     StoredChunk,
@@ -59,6 +67,7 @@ from .base import (
     file_from_row,
     file_params,
     finish_document_params,
+    limit_documents,
     mapping_errors,
     message_from_row,
     message_params,
@@ -273,6 +282,27 @@ MIGRATIONS = (
         request JSONB NOT NULL,
         outcome JSONB
     );
+    """,
+    # 11: groups of accounts, made by the admin; a collection shared with a group is
+    # readable by its members
+    """
+    CREATE TABLE user_groups (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        created_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE user_group_members (
+        group_id TEXT NOT NULL REFERENCES user_groups (id) ON DELETE CASCADE,
+        user_id TEXT NOT NULL,
+        PRIMARY KEY (group_id, user_id)
+    );
+    CREATE INDEX user_group_members_by_user ON user_group_members (user_id);
+    CREATE TABLE collection_group_shares (
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        group_id TEXT NOT NULL REFERENCES user_groups (id) ON DELETE CASCADE,
+        PRIMARY KEY (collection_id, group_id)
+    );
+    CREATE INDEX collection_group_shares_by_group ON collection_group_shares (group_id);
     """,
 )
 
@@ -949,21 +979,21 @@ class PostgresStore(Store):
                 record.description,
                 record.created_at,
             )
-            await conn.executemany(
-                "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
-                [(record.id, user) for user in record.shared],
-            )
+            await _write_shares(conn, record)
 
     async def _with_shares(self, rows: list[Any]) -> list[CollectionRecord]:
         if not rows:
             return []
+        ids = [row[0] for row in rows]
         shares: dict[str, list[str]] = {}
-        for collection_id, user in await self.pool.fetch(
-            numbered(SQL_SHARES.replace("= ANY_OF", "= ANY(?::text[])")) + " ORDER BY user_id",
-            [row[0] for row in rows],
-        ):
-            shares.setdefault(collection_id, []).append(user)
-        return [collection_from_row(tuple(r), shares.get(r[0], ()), r[5], r[6]) for r in rows]
+        groups: dict[str, list[str]] = {}
+        for sql, into in ((SQL_SHARES, shares), (SQL_GROUP_SHARES, groups)):
+            ordered = numbered(sql.replace("= ANY_OF", "= ANY(?::text[])")) + " ORDER BY 2"
+            for collection_id, who in await self.pool.fetch(ordered, ids):
+                into.setdefault(collection_id, []).append(who)
+        return [
+            collection_from_row(tuple(r), shares.get(r[0], ()), groups.get(r[0], ())) for r in rows
+        ]
 
     @mapped
     async def get_collection(self, collection_id: str) -> CollectionRecord | None:
@@ -973,7 +1003,7 @@ class PostgresStore(Store):
 
     @mapped
     async def list_collections(self, user_id: str) -> list[CollectionRecord]:
-        rows = await self.pool.fetch(numbered(SQL_LIST_COLLECTIONS), user_id, user_id)
+        rows = await self.pool.fetch(numbered(SQL_LIST_COLLECTIONS), user_id, user_id, user_id)
         return await self._with_shares(rows)
 
     @mapped
@@ -985,11 +1015,9 @@ class PostgresStore(Store):
                 record.description,
                 record.id,
             )
-            await conn.execute("DELETE FROM collection_shares WHERE collection_id = $1", record.id)
-            await conn.executemany(
-                "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
-                [(record.id, user) for user in record.shared],
-            )
+            for table in ("collection_shares", "collection_group_shares"):
+                await conn.execute(f"DELETE FROM {table} WHERE collection_id = $1", record.id)
+            await _write_shares(conn, record)
 
     @mapped
     async def delete_collection(self, collection_id: str) -> bool:
@@ -998,23 +1026,48 @@ class PostgresStore(Store):
         return _one_row(status)
 
     @mapped
-    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
+    async def add_documents(
+        self,
+        records: Sequence[DocumentRecord],
+        indexer: str = "",
+        max_documents: int | None = None,
+    ) -> list[DocumentRecord]:
+        if not records:
+            return []
+        collection_id = records[0].collection_id
         async with self.pool.acquire() as conn, conn.transaction():
+            # the collection's row locked: concurrent imports into it count in turn
+            found = await conn.fetchval(
+                "SELECT 1 FROM collections WHERE id = $1 FOR UPDATE", collection_id
+            )
+            if found is None:
+                raise NotFound("no such collection")
+            counted = await conn.fetchval(numbered(SQL_COUNT_DOCUMENTS), collection_id)
+            stored = limit_documents(records, int(counted or 0), max_documents)
             await conn.executemany(
                 numbered(SQL_ADD_DOCUMENT),
-                [(*document_params(d), indexer or None) for d in records],
+                [(*document_params(d), indexer or None) for d in stored],
             )
+        return stored
 
     @mapped
-    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
-        status = await self.pool.execute(
-            "UPDATE collection_documents SET status = 'failed', error = $1, code = 500"
-            " WHERE status = 'indexing' AND created_at < $2 AND (indexer IS NULL OR indexer"
-            f" NOT IN (SELECT token FROM workers WHERE expires_at > {NOW}))",
-            error,
-            created_before,
+    async def fail_orphaned_documents(
+        self, error: str, created_before: float
+    ) -> list[tuple[str, str]]:
+        rows = await self.pool.fetch(
+            numbered(SQL_SWEEP_DOCUMENTS.replace("NOW", NOW)), error, created_before
         )
-        return int(status.rsplit(" ", 1)[-1])
+        return [(row[0], row[1]) for row in rows]
+
+    @mapped
+    async def ready_documents(self, document_ids: Sequence[str]) -> set[str]:
+        if not document_ids:
+            return set()
+        rows = await self.pool.fetch(
+            "SELECT id FROM collection_documents WHERE id = ANY($1::text[]) AND status = 'ready'",
+            list(dict.fromkeys(document_ids)),
+        )
+        return {row[0] for row in rows}
 
     @mapped
     async def finish_document(self, record: DocumentRecord) -> None:
@@ -1036,11 +1089,102 @@ class PostgresStore(Store):
         return [document_from_row(tuple(row)) for row in rows]
 
     @mapped
+    async def import_progress(
+        self, collection_id: str, import_id: str
+    ) -> tuple[int, int, list[DocumentRecord]]:
+        counts = await self.pool.fetchrow(numbered(SQL_IMPORT_COUNTS), collection_id, import_id)
+        total, done = (int(counts[0]), int(counts[1])) if counts else (0, 0)
+        if not total:
+            return 0, 0, []
+        failed = await self.pool.fetch(numbered(SQL_IMPORT_FAILED), collection_id, import_id)
+        return total, done, [document_from_row(tuple(row)) for row in failed]
+
+    @mapped
     async def delete_document(self, document_id: str) -> bool:
         status = await self.pool.execute(
             "DELETE FROM collection_documents WHERE id = $1", document_id
         )
         return _one_row(status)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    @mapped
+    async def add_group(self, record: GroupRecord) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                f"INSERT INTO user_groups ({GROUP_COLUMNS}) VALUES ($1, $2, $3)",
+                record.id,
+                record.name,
+                record.created_at,
+            )
+            await conn.executemany(
+                "INSERT INTO user_group_members (group_id, user_id) VALUES ($1, $2)",
+                [(record.id, user) for user in record.members],
+            )
+
+    async def _with_members(self, rows: list[Any]) -> list[GroupRecord]:
+        if not rows:
+            return []
+        members: dict[str, list[str]] = {}
+        for group_id, user in await self.pool.fetch(
+            "SELECT group_id, user_id FROM user_group_members WHERE group_id = ANY($1::text[])"
+            " ORDER BY user_id",
+            [row[0] for row in rows],
+        ):
+            members.setdefault(group_id, []).append(user)
+        return [GroupRecord(r[0], r[1], r[2], tuple(members.get(r[0], ()))) for r in rows]
+
+    @mapped
+    async def get_group(self, group_id: str) -> GroupRecord | None:
+        rows = await self.pool.fetch(
+            f"SELECT {GROUP_COLUMNS} FROM user_groups WHERE id = $1", group_id
+        )
+        found = await self._with_members(list(rows))
+        return found[0] if found else None
+
+    @mapped
+    async def list_groups(self, member: str | None = None) -> list[GroupRecord]:
+        if member is None:
+            rows = await self.pool.fetch(f"SELECT {GROUP_COLUMNS} FROM user_groups ORDER BY name")
+        else:
+            rows = await self.pool.fetch(
+                f"SELECT {GROUP_COLUMNS} FROM user_groups WHERE id IN"
+                " (SELECT group_id FROM user_group_members WHERE user_id = $1) ORDER BY name",
+                member,
+            )
+        return await self._with_members(list(rows))
+
+    @mapped
+    async def update_group(self, record: GroupRecord) -> bool:
+        async with self.pool.acquire() as conn, conn.transaction():
+            status = await conn.execute(
+                "UPDATE user_groups SET name = $1 WHERE id = $2", record.name, record.id
+            )
+            if not _one_row(status):
+                return False
+            await conn.execute("DELETE FROM user_group_members WHERE group_id = $1", record.id)
+            await conn.executemany(
+                "INSERT INTO user_group_members (group_id, user_id) VALUES ($1, $2)",
+                [(record.id, user) for user in record.members],
+            )
+            return True
+
+    @mapped
+    async def delete_group(self, group_id: str) -> bool:
+        # members and the collections' shares with it go with it (ON DELETE CASCADE)
+        status = await self.pool.execute("DELETE FROM user_groups WHERE id = $1", group_id)
+        return _one_row(status)
+
+
+async def _write_shares(conn: asyncpg.Connection, record: CollectionRecord) -> None:
+    await conn.executemany(
+        "INSERT INTO collection_shares (collection_id, user_id) VALUES ($1, $2)",
+        [(record.id, user) for user in record.shared],
+    )
+    await conn.executemany(
+        "INSERT INTO collection_group_shares (collection_id, group_id) VALUES ($1, $2)",
+        [(record.id, group) for group in record.groups],
+    )
 
 
 _INSERT_MESSAGE = (

@@ -22,22 +22,29 @@ from typing import Any
 import aiosqlite
 import orjson
 
+from ..errors import NotFound
 from .base import (
     ACCOUNT_COLUMNS,
     API_KEY_COLUMNS,
     CHAT_COLUMNS,
     COLLECTION_COLUMNS,
     FILE_COLUMNS,
+    GROUP_COLUMNS,
     MESSAGE_COLUMNS,
     MESSAGE_SELECT,
     SQL_ADD_DOCUMENT,
+    SQL_COUNT_DOCUMENTS,
     SQL_FINISH_DOCUMENT,
     SQL_GET_COLLECTION,
     SQL_GET_DOCUMENT,
+    SQL_GROUP_SHARES,
+    SQL_IMPORT_COUNTS,
     SQL_IMPORT_DOCUMENTS,
+    SQL_IMPORT_FAILED,
     SQL_LIST_COLLECTIONS,
     SQL_LIST_DOCUMENTS,
     SQL_SHARES,
+    SQL_SWEEP_DOCUMENTS,
     Account,
     AccountChange,
     ApiKey,
@@ -47,6 +54,7 @@ from .base import (
     DocumentRecord,
     DriverErrors,
     FileRecord,
+    GroupRecord,
     Saved,
     Store,
     StoredChunk,
@@ -65,6 +73,7 @@ from .base import (
     file_from_row,
     file_params,
     finish_document_params,
+    limit_documents,
     mapping_errors,
     message_from_row,
     message_params,
@@ -293,6 +302,27 @@ MIGRATIONS = (
         request TEXT NOT NULL,
         outcome TEXT
     );
+    """,
+    # 11: groups of accounts, made by the admin; a collection shared with a group is
+    # readable by its members
+    """
+    CREATE TABLE user_groups (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE user_group_members (
+        group_id TEXT NOT NULL REFERENCES user_groups (id) ON DELETE CASCADE,
+        user_id TEXT NOT NULL,
+        PRIMARY KEY (group_id, user_id)
+    );
+    CREATE INDEX user_group_members_by_user ON user_group_members (user_id);
+    CREATE TABLE collection_group_shares (
+        collection_id TEXT NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        group_id TEXT NOT NULL REFERENCES user_groups (id) ON DELETE CASCADE,
+        PRIMARY KEY (collection_id, group_id)
+    );
+    CREATE INDEX collection_group_shares_by_group ON collection_group_shares (group_id);
     """,
 )
 
@@ -981,22 +1011,30 @@ class SQLiteStore(Store):
                     record.created_at,
                 ),
             )
-            await db.executemany(
-                "INSERT INTO collection_shares (collection_id, user_id) VALUES (?, ?)",
-                [(record.id, user) for user in record.shared],
-            )
+            await self._write_shares(db, record)
+
+    async def _write_shares(self, db: aiosqlite.Connection, record: CollectionRecord) -> None:
+        await db.executemany(
+            "INSERT INTO collection_shares (collection_id, user_id) VALUES (?, ?)",
+            [(record.id, user) for user in record.shared],
+        )
+        await db.executemany(
+            "INSERT INTO collection_group_shares (collection_id, group_id) VALUES (?, ?)",
+            [(record.id, group) for group in record.groups],
+        )
 
     async def _with_shares(self, rows: list[Any]) -> list[CollectionRecord]:
         if not rows:
             return []
-        ids = [row[0] for row in rows]
+        ids = tuple(row[0] for row in rows)
         marks = ", ".join("?" * len(ids))
         shares: dict[str, list[str]] = {}
-        for collection_id, user in await self._rows(
-            SQL_SHARES.replace("= ANY_OF", f"IN ({marks})") + " ORDER BY user_id", tuple(ids)
-        ):
-            shares.setdefault(collection_id, []).append(user)
-        return [collection_from_row(r, shares.get(r[0], ()), r[5], r[6]) for r in rows]
+        groups: dict[str, list[str]] = {}
+        for sql, into in ((SQL_SHARES, shares), (SQL_GROUP_SHARES, groups)):
+            ordered = sql.replace("= ANY_OF", f"IN ({marks})") + " ORDER BY 2"
+            for collection_id, who in await self._rows(ordered, ids):
+                into.setdefault(collection_id, []).append(who)
+        return [collection_from_row(r, shares.get(r[0], ()), groups.get(r[0], ())) for r in rows]
 
     @mapped
     async def get_collection(self, collection_id: str) -> CollectionRecord | None:
@@ -1005,7 +1043,8 @@ class SQLiteStore(Store):
 
     @mapped
     async def list_collections(self, user_id: str) -> list[CollectionRecord]:
-        return await self._with_shares(await self._rows(SQL_LIST_COLLECTIONS, (user_id, user_id)))
+        rows = await self._rows(SQL_LIST_COLLECTIONS, (user_id, user_id, user_id))
+        return await self._with_shares(rows)
 
     @mapped
     async def update_collection(self, record: CollectionRecord) -> None:
@@ -1014,35 +1053,60 @@ class SQLiteStore(Store):
                 "UPDATE collections SET name = ?, description = ? WHERE id = ?",
                 (record.name, record.description, record.id),
             )
-            await db.execute("DELETE FROM collection_shares WHERE collection_id = ?", (record.id,))
-            await db.executemany(
-                "INSERT INTO collection_shares (collection_id, user_id) VALUES (?, ?)",
-                [(record.id, user) for user in record.shared],
-            )
+            for table in ("collection_shares", "collection_group_shares"):
+                await db.execute(f"DELETE FROM {table} WHERE collection_id = ?", (record.id,))
+            await self._write_shares(db, record)
 
     @mapped
     async def delete_collection(self, collection_id: str) -> bool:
         async with self._transaction() as db:
-            for table in ("collection_documents", "collection_shares"):
+            for table in ("collection_documents", "collection_shares", "collection_group_shares"):
                 await db.execute(f"DELETE FROM {table} WHERE collection_id = ?", (collection_id,))
             cursor = await db.execute("DELETE FROM collections WHERE id = ?", (collection_id,))
             return cursor.rowcount == 1
 
     @mapped
-    async def add_documents(self, records: Sequence[DocumentRecord], indexer: str = "") -> None:
-        async with self._transaction() as db:
+    async def add_documents(
+        self,
+        records: Sequence[DocumentRecord],
+        indexer: str = "",
+        max_documents: int | None = None,
+    ) -> list[DocumentRecord]:
+        if not records:
+            return []
+        collection_id = records[0].collection_id
+        async with self._transaction() as db:  # BEGIN IMMEDIATE: one writer at a time
+            async with db.execute("SELECT 1 FROM collections WHERE id = ?", (collection_id,)) as c:
+                if await c.fetchone() is None:
+                    raise NotFound("no such collection")
+            async with db.execute(SQL_COUNT_DOCUMENTS, (collection_id,)) as c:
+                row = await c.fetchone()
+            stored = limit_documents(records, int(row[0]) if row else 0, max_documents)
             await db.executemany(
-                SQL_ADD_DOCUMENT, [(*document_params(d), indexer or None) for d in records]
+                SQL_ADD_DOCUMENT, [(*document_params(d), indexer or None) for d in stored]
             )
+        return stored
 
     @mapped
-    async def fail_orphaned_documents(self, error: str, created_before: float) -> int:
-        return await self._write(
-            "UPDATE collection_documents SET status = 'failed', error = ?, code = 500"
-            " WHERE status = 'indexing' AND created_at < ? AND (indexer IS NULL OR indexer"
-            " NOT IN (SELECT token FROM workers WHERE expires_at > ?))",
-            (error, created_before, time.time()),
+    async def fail_orphaned_documents(
+        self, error: str, created_before: float
+    ) -> list[tuple[str, str]]:
+        async with self._transaction() as db:
+            sql = SQL_SWEEP_DOCUMENTS.replace("NOW", "?")
+            async with db.execute(sql, (error, created_before, time.time())) as cursor:
+                return [(row[0], row[1]) for row in await cursor.fetchall()]
+
+    @mapped
+    async def ready_documents(self, document_ids: Sequence[str]) -> set[str]:
+        ids = tuple(dict.fromkeys(document_ids))
+        if not ids:
+            return set()
+        rows = await self._rows(
+            f"SELECT id FROM collection_documents WHERE id IN ({', '.join('?' * len(ids))})"
+            " AND status = 'ready'",
+            ids,
         )
+        return {row[0] for row in rows}
 
     @mapped
     async def finish_document(self, record: DocumentRecord) -> None:
@@ -1064,9 +1128,90 @@ class SQLiteStore(Store):
         return [document_from_row(row) for row in rows]
 
     @mapped
+    async def import_progress(
+        self, collection_id: str, import_id: str
+    ) -> tuple[int, int, list[DocumentRecord]]:
+        counts = await self._rows(SQL_IMPORT_COUNTS, (collection_id, import_id))
+        total, done = (int(counts[0][0]), int(counts[0][1])) if counts else (0, 0)
+        if not total:
+            return 0, 0, []
+        failed = await self._rows(SQL_IMPORT_FAILED, (collection_id, import_id))
+        return total, done, [document_from_row(row) for row in failed]
+
+    @mapped
     async def delete_document(self, document_id: str) -> bool:
         count = await self._write("DELETE FROM collection_documents WHERE id = ?", (document_id,))
         return count == 1
+
+    # -- groups -------------------------------------------------------------------------------
+
+    @mapped
+    async def add_group(self, record: GroupRecord) -> None:
+        async with self._transaction() as db:
+            await db.execute(
+                f"INSERT INTO user_groups ({GROUP_COLUMNS}) VALUES (?, ?, ?)",
+                (record.id, record.name, record.created_at),
+            )
+            await db.executemany(
+                "INSERT INTO user_group_members (group_id, user_id) VALUES (?, ?)",
+                [(record.id, user) for user in record.members],
+            )
+
+    async def _with_members(self, rows: list[Any]) -> list[GroupRecord]:
+        if not rows:
+            return []
+        ids = tuple(row[0] for row in rows)
+        members: dict[str, list[str]] = {}
+        for group_id, user in await self._rows(
+            "SELECT group_id, user_id FROM user_group_members"
+            f" WHERE group_id IN ({', '.join('?' * len(ids))}) ORDER BY user_id",
+            ids,
+        ):
+            members.setdefault(group_id, []).append(user)
+        return [GroupRecord(r[0], r[1], r[2], tuple(members.get(r[0], ()))) for r in rows]
+
+    @mapped
+    async def get_group(self, group_id: str) -> GroupRecord | None:
+        rows = await self._rows(
+            f"SELECT {GROUP_COLUMNS} FROM user_groups WHERE id = ?", (group_id,)
+        )
+        found = await self._with_members(rows)
+        return found[0] if found else None
+
+    @mapped
+    async def list_groups(self, member: str | None = None) -> list[GroupRecord]:
+        if member is None:
+            rows = await self._rows(f"SELECT {GROUP_COLUMNS} FROM user_groups ORDER BY name", ())
+        else:
+            rows = await self._rows(
+                f"SELECT {GROUP_COLUMNS} FROM user_groups WHERE id IN"
+                " (SELECT group_id FROM user_group_members WHERE user_id = ?) ORDER BY name",
+                (member,),
+            )
+        return await self._with_members(rows)
+
+    @mapped
+    async def update_group(self, record: GroupRecord) -> bool:
+        async with self._transaction() as db:
+            cursor = await db.execute(
+                "UPDATE user_groups SET name = ? WHERE id = ?", (record.name, record.id)
+            )
+            if cursor.rowcount != 1:
+                return False
+            await db.execute("DELETE FROM user_group_members WHERE group_id = ?", (record.id,))
+            await db.executemany(
+                "INSERT INTO user_group_members (group_id, user_id) VALUES (?, ?)",
+                [(record.id, user) for user in record.members],
+            )
+            return True
+
+    @mapped
+    async def delete_group(self, group_id: str) -> bool:
+        async with self._transaction() as db:
+            for table in ("user_group_members", "collection_group_shares"):
+                await db.execute(f"DELETE FROM {table} WHERE group_id = ?", (group_id,))
+            cursor = await db.execute("DELETE FROM user_groups WHERE id = ?", (group_id,))
+            return cursor.rowcount == 1
 
 
 async def _rollback(db: aiosqlite.Connection) -> None:

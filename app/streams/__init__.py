@@ -6,7 +6,7 @@ from typing import Any
 
 from ..events import Handle
 from .base import GenerationLog, LocalRegistry, LogWriter, StreamHub
-from .connect import open_redis
+from .connect import close_redis, open_redis
 
 
 def open_hub(
@@ -18,8 +18,8 @@ def open_hub(
     commit_linger: float = 0.005,
     timeout: float = 2.0,
 ) -> StreamHub:
-    """The Redis hub on `redis` (from `open_redis`: one Redis or a Cluster), else the
-    one-process memory hub."""
+    """The Redis hub on `redis` (from `open_redis`: one Redis or a Cluster, which the
+    caller closes with `close_redis`), else the one-process memory hub."""
     if redis is None:
         from .memory import MemoryHub
 
@@ -42,6 +42,7 @@ __all__ = [
     "LocalRegistry",
     "LogWriter",
     "StreamHub",
+    "close_redis",
     "open_hub",
     "open_redis",
 ]

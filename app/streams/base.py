@@ -38,7 +38,16 @@ class GenerationLog:
     live readers turn into a keep-alive event.
     """
 
-    __slots__ = ("handle", "events", "durable", "keepalives", "finished", "_waiters", "_sink")
+    __slots__ = (
+        "handle",
+        "events",
+        "durable",
+        "keepalives",
+        "finished",
+        "_waiters",
+        "_sink",
+        "_add",
+    )
 
     def __init__(self, handle: Handle, sink: Sink | None = None) -> None:
         self.handle = handle
@@ -48,10 +57,12 @@ class GenerationLog:
         self.finished = False
         self._waiters: list[asyncio.Future[None]] = []
         self._sink = sink
+        #: what keeps a numbered event (nothing, once the log `fail`ed)
+        self._add: Callable[[Event], None] = self.events.append
 
     def append(self, event: Event) -> None:
         if event.seq:
-            self.events.append(event)
+            self._add(event)
             if event.terminal:
                 self.finished = True
             if self._sink is not None:
@@ -74,6 +85,19 @@ class GenerationLog:
         """Append the terminal event, and release every event (the hub made them
         durable — or, with its backend away, the store holds the answer)."""
         self.events.append(terminal)
+        self.durable = len(self.events)
+        self.finished = True
+        if self._waiters:
+            self._wake()
+
+    def fail(self, error: Event) -> None:
+        """End the log with `error` (numbered right after the last released event)
+        in place of what was not released yet: readers get what they were shown,
+        then `error`. What the generation appends afterwards is dropped."""
+        del self.events[self.durable :]
+        self.events.append(error)
+        self._add = _dropped
+        self._sink = None
         self.durable = len(self.events)
         self.finished = True
         if self._waiters:
@@ -128,6 +152,10 @@ class GenerationLog:
                 ]
                 continue
             await self.wait(loop)
+
+
+def _dropped(event: Event) -> None:
+    """Where a failed log's further events go."""
 
 
 class LogWriter:

@@ -10,12 +10,14 @@ live in other slots): a claim set by a process that then learns so is taken back
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio.lock import Lock
-from redis.exceptions import LockNotOwnedError
+from redis.exceptions import LockNotOwnedError, RedisError
 
 from ..events import Handle
 from . import rediskeys as k
@@ -45,6 +47,8 @@ return 0
 
 #: what `claim` says
 CLAIMED, TAKEN, RECOVERING = 1, 0, -1
+#: the longest a claim that failed half-way takes to be given back
+LET_GO_SECONDS = 1.0
 
 
 def kept_for_replay(pipe: Any, chat_id: str, answer_id: str, replay_ms: int) -> None:
@@ -76,34 +80,62 @@ class Claims:
         self.handle_ttl_ms = handle_ttl_ms
         self.keep_ms = keep_ms  # how long an answer's handle and pointers outlive its start
         self._locks: dict[str, Lock] = {}
+        self._letting_go: set[asyncio.Task[None]] = set()
 
     async def claim(self, handle: Handle, payload: bytes, cap_key: str) -> tuple[int, int]:
         """Claim the chat and count the cap key's running answers with this one:
-        (CLAIMED | TAKEN | RECOVERING, running)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(k.proc(self.token))
-            pipe.exists(k.RECOVERING)
-            pipe.eval(CLAIM, 1, k.run(handle.chat_id), payload, self.handle_ttl_ms)
-            alive, recovering, claimed = await pipe.execute()
-        if not alive or recovering:
-            if claimed:
-                await self.redis.eval(RELEASE, 1, k.run(handle.chat_id), payload)
-            return RECOVERING, 0
-        if not claimed:
-            return TAKEN, 0
-        now_ms = int(time.time() * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            # the running generations of the cap key: members expire with their claims
-            active = k.active(cap_key)
-            pipe.zremrangebyscore(active, "-inf", now_ms)
-            pipe.zadd(active, {handle.answer_id: now_ms + self.handle_ttl_ms})
-            pipe.pexpire(active, self.handle_ttl_ms)
-            pipe.zcard(active)
-            pipe.set(k.gen(handle.answer_id), payload, px=self.keep_ms)
-            pipe.set(k.latest(handle.chat_id), handle.answer_id, px=self.keep_ms)
-            pipe.set(k.owner(handle.answer_id), self.token, px=self.keep_ms)
-            running = (await pipe.execute())[3]
-        return CLAIMED, int(running)
+        (CLAIMED | TAKEN | RECOVERING, running). Whatever fails once the claim may
+        have been set (a pipeline that raised, a deadline, a cancel) has it taken
+        back, as far as Redis lets it, in the background (the caller's error is not
+        held up by a Redis that does not answer): else the chat would answer
+        "already running" until the claim expired. `aclose` waits for that."""
+        sent = False
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(k.proc(self.token))
+                pipe.exists(k.RECOVERING)
+                pipe.eval(CLAIM, 1, k.run(handle.chat_id), payload, self.handle_ttl_ms)
+                sent = True
+                alive, recovering, claimed = await pipe.execute()
+            if not alive or recovering:
+                if claimed:
+                    await self.redis.eval(RELEASE, 1, k.run(handle.chat_id), payload)
+                return RECOVERING, 0
+            if not claimed:
+                sent = False  # another generation's: not ours to take back
+                return TAKEN, 0
+            now_ms = int(time.time() * 1000)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                # the running generations of the cap key: members expire with their claims
+                active = k.active(cap_key)
+                pipe.zremrangebyscore(active, "-inf", now_ms)
+                pipe.zadd(active, {handle.answer_id: now_ms + self.handle_ttl_ms})
+                pipe.pexpire(active, self.handle_ttl_ms)
+                pipe.zcard(active)
+                pipe.set(k.gen(handle.answer_id), payload, px=self.keep_ms)
+                pipe.set(k.latest(handle.chat_id), handle.answer_id, px=self.keep_ms)
+                pipe.set(k.owner(handle.answer_id), self.token, px=self.keep_ms)
+                running = (await pipe.execute())[3]
+            return CLAIMED, int(running)
+        except BaseException:
+            if sent:
+                task = asyncio.get_running_loop().create_task(
+                    self._let_go(handle, payload, cap_key), name=f"unclaim {handle.chat_id}"
+                )
+                self._letting_go.add(task)
+                task.add_done_callback(self._letting_go.discard)
+            raise
+
+    async def _let_go(self, handle: Handle, payload: bytes, cap_key: str) -> None:
+        """`unclaim`, best effort, within a deadline of its own."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(LET_GO_SECONDS):
+                await self.unclaim(handle, payload, cap_key)
+
+    async def aclose(self) -> None:
+        """Wait until the claims being taken back are (each within `LET_GO_SECONDS`)."""
+        if self._letting_go:
+            await asyncio.wait(set(self._letting_go))
 
     async def unclaim(self, handle: Handle, payload: bytes, cap_key: str) -> None:
         """A claim given up before its generation ran."""

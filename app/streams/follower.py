@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from ..errors import AppError
 from ..events import Event, Handle
@@ -34,6 +34,8 @@ BLOCK_MS = 1000
 WATCH_EVERY = 2.0
 #: a follower that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
+#: how long a follower waits when every connection its client may open is busy
+BUSY_SECONDS = 0.05
 
 
 async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
@@ -102,6 +104,12 @@ async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator
                 yield [k.error(handle, seq + 1, "generation lost: its server process stopped")]
                 return
             failing_since, delay = None, 0.1
+        except MaxConnectionsError:
+            # every connection the client may open to that node is taken (on a
+            # cluster: it refuses at once where one Redis's pool waits): back-pressure,
+            # not Redis failing, so neither an outage nor a new slot map
+            await asyncio.sleep(BUSY_SECONDS)
+            continue
         except (RedisError, OSError, AppError, TimeoutError) as exc:
             hub.connection_lost()
             await hub.reconnect()
@@ -115,6 +123,7 @@ async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
             continue
+        from_start = last_id == "0-0"
         for entry_id, fields in found:
             raw = fields.get(b"e")
             batch = [e for e in k.load_events(raw, handle) if e.seq > seq] if raw else []
@@ -126,8 +135,9 @@ async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator
                     log.error("following %s: events missing after %d", handle.answer_id, seq)
                     yield [k.error(handle, seq + 1, "the stream lost events")]
                     return
-                # read from the start, unless that was one already: then wait for more
-                last_id = found[-1][0] if last_id == "0-0" else "0-0"
+                # read from the start, unless this read was one already: then wait
+                # for what comes after it (the log written again)
+                last_id = found[-1][0] if from_start else "0-0"
                 break
             last_id = entry_id
             if not batch:

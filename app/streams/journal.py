@@ -75,6 +75,11 @@ class Journal:
             return True
         return False
 
+    def replace(self, answer_id: str, event: Event) -> None:
+        """What of `answer_id` waits is dropped, and `event` waits instead (its end,
+        in place of events that cannot be written)."""
+        self.pending[answer_id] = [event]
+
     def forget(self, answer_id: str) -> None:
         """The generation is over here (abandoned): nothing of it is kept."""
         self.pending.pop(answer_id, None)

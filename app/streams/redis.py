@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from ..chores import Chores
 from ..errors import Unavailable
@@ -48,8 +48,8 @@ from .base import (
     too_many,
 )
 from .claims import RECOVERING, TAKEN, Claims, end_in
-from .connect import cluster_client, is_cluster
-from .follower import WATCH_EVERY, follow
+from .connect import blocking_client, close_redis, is_cluster, refresh_cluster
+from .follower import BUSY_SECONDS, WATCH_EVERY, follow
 from .journal import Journal, Plan
 from .recovery import Recovery, recovering
 
@@ -63,6 +63,8 @@ OWNERS_KEPT = 1024  # answers of other processes whose owner is remembered
 OPERATION_SECONDS = 2.0
 #: a cancel listener that heard nothing for this long asks Redis whether it is there
 LISTEN_PING_SECONDS = 5.0
+#: the error an answer ends with when its events cannot be written
+UNWRITABLE = "the answer could not be passed on: an event of it could not be written"
 
 
 @contextlib.asynccontextmanager
@@ -75,22 +77,6 @@ async def unavailable(seconds: float = OPERATION_SECONDS * 2) -> AsyncIterator[N
     except (RedisError, OSError, TimeoutError) as exc:
         log.warning("redis is unavailable: %r", exc)
         raise Unavailable("the stream registry is unavailable; try again shortly") from exc
-
-
-def blocking_client(redis: Any) -> Any:
-    """A client on connections of its own, with the same address(es) and options as
-    `redis`, for reads that wait on Redis (XREAD BLOCK, pub/sub); each wait is bounded
-    by the caller (see `open_redis` on why not by a socket timeout)."""
-    import redis.asyncio as aioredis
-
-    if is_cluster(redis):
-        return cluster_client(redis)
-    options = dict(redis.connection_pool.connection_kwargs)
-    options["socket_timeout"] = None
-    pool = aioredis.ConnectionPool(
-        connection_class=redis.connection_pool.connection_class, **options
-    )
-    return aioredis.Redis.from_pool(pool)
 
 
 class RedisHub(StreamHub):
@@ -163,6 +149,8 @@ class RedisHub(StreamHub):
         #: whether cancels may have been published while the listener did not listen
         self._flags_unread = True
         self._fresh: set[str] = set()  # answers registered since the last beat
+        #: answers ended with an error because their events could not be written
+        self._failed: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -178,12 +166,13 @@ class RedisHub(StreamHub):
             async with asyncio.timeout(self.timeout):
                 await self.flush()
         await self._chores.aclose()
+        await self.claims.aclose()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self.timeout):
                 await self.redis.delete(k.proc(self.token))
         if self._owns_blocking:
             with contextlib.suppress(RedisError, OSError):
-                await self.blocking.aclose()
+                await close_redis(self.blocking)
         self.local.close()
 
     @property
@@ -200,8 +189,9 @@ class RedisHub(StreamHub):
         try:
             async with unavailable(self.timeout * 2):
                 yield
-        except Unavailable:
-            await self.reconnect()
+        except Unavailable as exc:
+            if not isinstance(exc.__cause__, MaxConnectionsError):  # busy, not failing
+                await self.reconnect()
             raise
 
     def connection_lost(self) -> None:
@@ -218,7 +208,7 @@ class RedisHub(StreamHub):
         for client in (self.redis, self.blocking):
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(self.timeout):
-                    await client.nodes_manager.initialize()
+                    await refresh_cluster(client)
 
     def _lost_data(self) -> None:
         self.recovery.lost_data()
@@ -272,17 +262,20 @@ class RedisHub(StreamHub):
         """The generation's end: its terminal event committed with the others' events
         (the next group commit writes its log and ends its claim in the same round
         trip), then given to local readers. Through an outage it is written directly,
-        and what Redis does not take is done again later."""
+        and what Redis does not take is done again later. A generation whose events
+        could not be written ended with an error already (see `_quarantine`): its
+        terminal event is dropped, and its error is written in its place."""
         log_ = self.local.log(handle.answer_id)
         entry = self.local.entry(handle.chat_id)
         cap_key = entry.cap_key if entry is not None else None
-        if log_ is not None:
+        failed = handle.answer_id in self._failed
+        if log_ is not None and not failed:
             self.journal.queue(handle.answer_id, terminal)
         self.local.release(handle, keep_log=True)
         self._extended.pop(handle.answer_id, None)
         try:
             async with asyncio.timeout(self.timeout * 2):
-                if log_ is not None and not self._outage:
+                if log_ is not None and not self._outage and not failed:
                     ended = asyncio.get_running_loop().create_future()
                     self._ending[handle.answer_id] = (ended, handle, cap_key)
                     self._wake.set()
@@ -304,8 +297,9 @@ class RedisHub(StreamHub):
             self._unended[handle.answer_id] = (handle, cap_key)
             self._wake.set()
         finally:
-            if log_ is not None:
+            if log_ is not None and handle.answer_id not in self._failed:
                 log_.end(terminal)
+            self._failed.discard(handle.answer_id)
 
     async def orphaned(self, chat_id: str, answer_id: str) -> None:
         async with self._unavailable():
@@ -370,8 +364,9 @@ class RedisHub(StreamHub):
                         pipe.get(k.run(chat_id))
                     pipe.exists(k.RECOVERING)
                     *claims, recovering_now = await pipe.execute()
-        except (RedisError, OSError, TimeoutError):
-            self.connection_lost()
+        except (RedisError, OSError, TimeoutError) as exc:
+            if not isinstance(exc, MaxConnectionsError):  # busy, not failing
+                self.connection_lost()
             return ["unknown"] * len(answers)
         doubtful = self.recovery.doubtful() or bool(recovering_now)
         out = []
@@ -446,6 +441,9 @@ class RedisHub(StreamHub):
             try:
                 async with asyncio.timeout(self.timeout * 2):
                     await self.flush()
+            except MaxConnectionsError:  # every connection to a node is taken: soon again
+                await asyncio.sleep(BUSY_SECONDS)
+                self._wake.set()
             except (RedisError, OSError, TimeoutError) as exc:
                 if not self._outage:
                     log.warning(
@@ -469,19 +467,32 @@ class RedisHub(StreamHub):
         """Write pending events — of every generation, or of the answer id `only` — as
         the journal says (`Journal.plan`), and release what was written to the
         generations' readers. Serialised, so each log's entries stay in order. Raises
-        when Redis fails (the events stay pending)."""
+        when Redis fails (the events stay pending). A commit that fails otherwise (an
+        event that cannot be encoded) ends the answers it cannot write with an error
+        (`_quarantine`), and the others are written at once: one answer never holds
+        back the rest."""
         async with self._flush_lock:
             if only is None:
                 self._wake.clear()
-            now = time.monotonic()
-            plan = self.journal.plan(now, only)
-            if plan is None:
-                return
-            try:
-                entry = await self._write(plan)
-            except BaseException:
-                self.journal.failed(plan)
-                raise
+            while True:
+                now = time.monotonic()
+                plan = self.journal.plan(now, only)
+                if plan is None:
+                    return
+                try:
+                    entry = await self._write(plan)
+                except (RedisError, OSError, TimeoutError):
+                    self.journal.failed(plan)
+                    raise
+                except Exception as exc:
+                    self.journal.failed(plan)
+                    if not self._quarantine(plan, exc):
+                        raise
+                    continue
+                except BaseException:
+                    self.journal.failed(plan)
+                    raise
+                break
             self.journal.written(plan, entry, now)
             for answer_id, batch in plan.pending.items():  # durable: readers may have them
                 written = self.local.log(answer_id)
@@ -491,6 +502,45 @@ class RedisHub(StreamHub):
                 ending = self._ending.get(answer_id)
                 if ending is not None and not ending[0].done():
                     ending[0].set_result(None)
+
+    def _quarantine(self, plan: Plan, exc: Exception) -> bool:
+        """A commit failed with something other than Redis failing: end the answers it
+        could not write — those whose new events do not encode, else (the cause is not
+        known) all of it — with an `INTERNAL` error, numbered right after what their
+        readers were shown, in place of their unwritten events, and cancel their
+        generations. An answer already ended so whose error cannot be written either
+        is given up here (readers elsewhere end when its claim goes). False when
+        nothing changed."""
+        culprits = []
+        for answer_id, batch in plan.pending.items():
+            try:
+                k.dump_events(batch)
+            except Exception:  # orjson: a lone surrogate, a value it does not know
+                culprits.append(answer_id)
+        if not culprits:
+            culprits = [*plan.pending, *(w.answer_id for w in plan.logs)]
+        log.error(
+            "the events of %s could not be written: ended with an error: %r",
+            ", ".join(culprits),
+            exc,
+        )
+        changed = False
+        for answer_id in dict.fromkeys(culprits):
+            log_ = self.local.log(answer_id)
+            if answer_id in self._failed or log_ is None or log_.finished:
+                if answer_id in self.journal.pending or answer_id in self.journal.unlogged:
+                    self.journal.forget(answer_id)
+                    changed = True
+                continue
+            h = log_.handle
+            data = {"key": "INTERNAL", "data": UNWRITABLE}
+            error = Event("error", h.chat_id, h.answer_id, data, log_.durable + 1)
+            self.journal.replace(answer_id, error)
+            self._failed.add(answer_id)
+            log_.fail(error)
+            self.local.cancel(answer_id)
+            changed = True
+        return changed
 
     async def _write(self, plan: Plan) -> tuple[int, int] | None:
         """One commit, in one pipeline; the id of its journal entry, if any. The claims
@@ -659,6 +709,9 @@ class RedisHub(StreamHub):
             try:
                 async with asyncio.timeout(self.timeout * 2):
                     await self.beat()
+            except MaxConnectionsError:  # every connection to a node is taken: soon again
+                await asyncio.sleep(BUSY_SECONDS)
+                self._beat_now.set()
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("heartbeat: redis unavailable: %r", exc)
                 self.connection_lost()

@@ -60,6 +60,7 @@ const state = {
   follow: true, // auto-scroll: follows the answer until the reader scrolls up
   attachments: [], // files picked for the next question: {name, status, fileId, chip}
   notice: null, // a message for the banner once the page is up (a refused sign-in)
+  touched: new Set(), // controls the reader changed in this chat ("focus", "mode"): defaults leave them
 };
 
 const socket = new Socket(onFrame, onSocketClose);
@@ -551,6 +552,7 @@ async function openChat(chatId) {
   }
   state.chatId = chatId;
   clearConversation();
+  state.touched.clear();
   setFocus(data.chat.focusMode);
   $("#topbar-title").textContent = data.chat.title || "searchchat";
   if (data.chat.files && data.chat.files.length) addChatFiles(data.chat.files.map((f) => f.name));
@@ -603,6 +605,7 @@ function newChat() {
   detach();
   state.chatId = null;
   clearConversation();
+  state.touched.clear();
   applyDefaults();
   $("#topbar-title").textContent = "searchchat";
   if (window.location.hash) history.pushState(null, "", window.location.pathname);
@@ -699,11 +702,14 @@ function applyTheme() {
 }
 
 function fillModes(focusModes, optimizationModes) {
-  for (const select of [$("#focus"), $("#set-focus")]) {
-    select.replaceChildren(...focusModes.map((mode) => new Option(FOCUS_LABELS[mode] || mode, mode)));
-  }
+  const refill = (select, modes, label) => {
+    const kept = select.value; // a choice made before the list came stays made
+    select.replaceChildren(...modes.map((mode) => new Option(label(mode), mode)));
+    if (modes.includes(kept)) select.value = kept;
+  };
+  for (const select of [$("#focus"), $("#set-focus")]) refill(select, focusModes, (mode) => FOCUS_LABELS[mode] || mode);
   for (const select of [$("#mode"), $("#set-mode")]) {
-    select.replaceChildren(...optimizationModes.map((mode) => new Option(mode[0].toUpperCase() + mode.slice(1), mode)));
+    refill(select, optimizationModes, (mode) => mode[0].toUpperCase() + mode.slice(1));
   }
 }
 
@@ -715,8 +721,8 @@ function setFocus(mode) {
 }
 
 function applyDefaults() {
-  setFocus(settings.focus);
-  $("#mode").value = settings.mode;
+  if (!state.touched.has("focus")) setFocus(settings.focus);
+  if (!state.touched.has("mode")) $("#mode").value = settings.mode;
   $("#copilot").checked = settings.copilot;
   updateControls();
 }
@@ -765,7 +771,10 @@ function readSettings() {
   settings.transport = $("#set-transport").value;
   saveSettings();
   applyTheme();
-  if (empty) applyDefaults(); // a chat not yet begun takes the new defaults
+  if (empty) {
+    state.touched.clear(); // a chat not yet begun takes the new defaults
+    applyDefaults();
+  }
 }
 
 // ---- dialogs, drawer, banner --------------------------------------------------------------------
@@ -922,7 +931,11 @@ function wire() {
   $("#stop").addEventListener("click", stop);
   $("#new-chat").addEventListener("click", newChat);
   $("#new-chat-top").addEventListener("click", newChat);
-  $("#focus").addEventListener("change", updateControls);
+  $("#focus").addEventListener("change", () => {
+    state.touched.add("focus");
+    updateControls();
+  });
+  $("#mode").addEventListener("change", () => state.touched.add("mode"));
   $("#attach").addEventListener("click", () => $("#file-input").click());
   $("#file-input").addEventListener("change", (event) => {
     for (const file of event.target.files) attach(file);

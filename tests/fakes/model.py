@@ -93,6 +93,7 @@ class FakeModel:
     tools_refused: bool = False
     tools_ignored: bool = False
     tool_delay: float = 0.0
+    embedding_delay: float = 0.0  # seconds before an embeddings answer
     context_limit: int | None = None
     context_tokens: int | None = None
     tool_streams: list[StreamRecord] = field(default_factory=list)
@@ -112,6 +113,7 @@ class FakeModel:
         self.tool_streams.clear()
         self.tools_refused = self.tools_ignored = self.tool_ids_empty = False
         self.tool_delay = 0.0
+        self.embedding_delay = 0.0
         self.tool_error = None
         self.context_limit = self.context_tokens = None
         self.slow_replies.clear()
@@ -332,6 +334,8 @@ class FakeModel:
             return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        if self.embedding_delay:
+            await asyncio.sleep(self.embedding_delay)
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
         # as OpenAI does: base64 little-endian float32 when asked, else lists of floats
         packed = body.get("encoding_format") == "base64"
