@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -73,6 +73,16 @@ class DemoModel:
         for piece in _WORDS.findall(_answer(question, sources)):
             yield Delta("content", piece)
             await asyncio.sleep(self.pace)
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        async for delta in self.stream(messages, model=model):
+            sink(delta)
 
     async def tool_turn(
         self,

@@ -22,7 +22,7 @@ import logging
 import re
 import socket
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
@@ -91,6 +91,16 @@ class ChatModel(Protocol):
     def stream(
         self, messages: Sequence[Message], *, model: str | None = None
     ) -> AsyncIterator[Delta]: ...
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        """What `stream` yields, handed to `sink` as it comes; returns at the end."""
+        ...
 
     async def complete(
         self,
@@ -167,7 +177,8 @@ class LLMClient:
     async def stream(
         self, messages: Sequence[Message], *, model: str | None = None
     ) -> AsyncIterator[Delta]:
-        """Yield the answer's deltas as they arrive.
+        """Yield the answer's deltas as they arrive (see `answer`, which hands them to
+        a function instead, for a cheaper token).
 
         Closing the iterator (or cancelling the task that reads it) closes the
         upstream HTTP response, which is how a cancel stops the spend.
@@ -175,48 +186,69 @@ class LLMClient:
         """
         client = self._require()
         name = model or self.settings.model
-        splitter = ThinkSplitter(
-            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
-        )
-        received = done = False
+        out: list[Delta] = []
+        decoder = AnswerDecoder(out.append, self._splitter(name))
         with model_errors("model", self.host):
             async with self._open_stream(client, messages, model) as response:
                 chunks = body_reader(response)
-                buffer = b""
                 try:
                     async for data in chunks:
-                        buffer += data
-                        if b"\n" not in data:
-                            continue
-                        *lines, buffer = buffer.split(b"\n")
-                        for line in lines:
-                            if not line or line == b"\r":
-                                continue
-                            if line[0] == 58:  # b":" a comment
-                                if b"keep-alive" in line:
-                                    yield KEEPALIVE
-                                continue
-                            if not line.startswith(b"data:"):
-                                continue
-                            payload = line[5:].strip()
-                            received = True
-                            if payload == b"[DONE]":
-                                done = True
-                                if isinstance(chunks, StreamedResponse):
-                                    chunks.finish()  # the connection may serve another
-                                break
-                            for delta in _decode_chunk(payload, splitter):
+                        try:
+                            done = decoder.feed(data)
+                        except StreamError:
+                            for delta in out:  # what came before the bad chunk
                                 yield delta
+                            raise
+                        if out:
+                            for delta in out:
+                                yield delta
+                            out.clear()
                         if done:
+                            if isinstance(chunks, StreamedResponse):
+                                chunks.finish()  # the connection may serve another
                             break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
-                    log.warning("the model stream stalled: %r", exc)
-                    raise StreamError("the model stream broke off: nothing came in time") from exc
-        if not received:
-            raise StreamError("the model sent an empty answer")
-        for delta in splitter.flush():
+                    raise _stalled(exc) from exc
+        for delta in decoder.end():
             yield delta
-        self._learn(name, lone_close=splitter.lone_close, reasoned=splitter.tagged)
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        """The answer's deltas handed to `sink` as they arrive; returns at its end.
+
+        On a direct connection to the model (`StreamingClient`) the stream is parsed,
+        and `sink` called, in the callback that read it from the socket — no task is
+        woken per token; otherwise the deltas come as `stream` yields them. What
+        `sink` raises ends the stream with it. Cancelling is safe: it closes the
+        upstream response, as closing `stream` does."""
+        client = self._require()
+        name = model or self.settings.model
+        decoder = AnswerDecoder(sink, self._splitter(name))
+        with model_errors("model", self.host):
+            async with self._open_stream(client, messages, model) as response:
+                try:
+                    if isinstance(response, StreamedResponse):
+                        await response.pump(decoder.feed)
+                    else:
+                        async for data in body_reader(response):
+                            if decoder.feed(data):
+                                break
+                except TimeoutError as exc:
+                    raise _stalled(exc) from exc
+        for delta in decoder.end():
+            sink(delta)
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    def _splitter(self, name: str) -> ThinkSplitter:
+        return ThinkSplitter(
+            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
+        )
 
     def _learn(self, name: str, *, lone_close: bool, reasoned: bool) -> None:
         """Remember what a model's answer showed of it: that it leaves the opening
@@ -493,6 +525,65 @@ def body_reader(http: Any) -> AsyncIterable[bytes]:
     if below is not None:
         return cast(AsyncIterable[bytes], below.content.iter_any())
     return cast(AsyncIterable[bytes], stream)
+
+
+class AnswerDecoder:
+    """The model's streamed answer (`text/event-stream` bytes, as they come) turned
+    into deltas handed to `sink`: one `feed` per read. A `: keep-alive` comment is a
+    `keepalive` delta; `data: [DONE]` ends it (`feed` says so)."""
+
+    __slots__ = ("sink", "splitter", "buffer", "received", "done")
+
+    def __init__(self, sink: Callable[[Delta], None], splitter: ThinkSplitter) -> None:
+        self.sink = sink
+        self.splitter = splitter
+        self.buffer = b""
+        self.received = False
+        self.done = False
+
+    def feed(self, data: bytes) -> bool:
+        """Take one read's bytes; whether the answer has ended (`[DONE]`). Raises
+        `StreamError` for a chunk that cannot be read, and what `sink` raises."""
+        if self.done:
+            return True
+        if b"\n" not in data:
+            self.buffer += data
+            return False
+        if self.buffer:
+            data, self.buffer = self.buffer + data, b""
+        *lines, rest = data.split(b"\n")
+        if rest:
+            self.buffer = rest
+        sink, splitter = self.sink, self.splitter
+        for line in lines:
+            if not line or line == b"\r":
+                continue
+            if line[0] == 58:  # b":" a comment
+                if b"keep-alive" in line:
+                    sink(KEEPALIVE)
+                continue
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            self.received = True
+            if payload == b"[DONE]":
+                self.done = True
+                return True
+            for delta in _decode_chunk(payload, splitter):
+                sink(delta)
+        return False
+
+    def end(self) -> list[Delta]:
+        """What the splitter still holds, once the stream is over; `StreamError` for a
+        stream that held no answer at all."""
+        if not self.received:
+            raise StreamError("the model sent an empty answer")
+        return self.splitter.flush()
+
+
+def _stalled(exc: TimeoutError) -> StreamError:
+    log.warning("the model stream stalled: %r", exc)
+    return StreamError("the model stream broke off: nothing came in time")
 
 
 def _tool_delta(payload: bytes, content: list[str], calls: dict[int, list[str]]) -> None:

@@ -424,6 +424,52 @@ def render(event: Event, fmt: str) -> dict[str, Any] | None:
     return render_default(event)
 
 
+class TokenJson:
+    """The default format's JSON of the events a model's answer is made of — a
+    `message` or `reasoning` event whose only field is its text — built around the
+    text from bytes made once per answer: what `render_default` and orjson make of
+    it, without the dict (`event_id` adds `"eventId"`, as the WebSocket has it). Any
+    other event is None: render it."""
+
+    __slots__ = ("answer_id", "event_id", "_heads", "_tail", "_id_tail")
+
+    def __init__(self, *, event_id: bool = False) -> None:
+        self.answer_id = ""
+        self.event_id = event_id
+        self._heads: dict[str, bytes] = {}
+        self._tail = b""
+        self._id_tail = b""
+
+    def of(self, event: Event) -> bytes | None:
+        data = event.data
+        if len(data) != 1:
+            return None
+        text = data.get("data")
+        if text.__class__ is not str:
+            return None
+        if event.message_id != self.answer_id:
+            self._for(event)
+        head = self._heads.get(event.type)
+        if head is None:
+            return None
+        if self.event_id:
+            return b'%s%s%s%d"}' % (head, orjson.dumps(text), self._id_tail, event.seq)
+        return head + orjson.dumps(text) + self._tail
+
+    def _for(self, event: Event) -> None:
+        self.answer_id = event.message_id
+        self._heads = {
+            kind: b'{"type":"%s","data":' % kind.encode()
+            for kind in ("message", "reasoning")
+            if kind not in _NO_MESSAGE_ID
+        }
+        self._tail = b',"messageId":%s,"chatId":%s}' % (
+            orjson.dumps(event.message_id),
+            orjson.dumps(event.chat_id),
+        )
+        self._id_tail = self._tail[:-1] + b',"eventId":"%s:' % event.message_id.encode()
+
+
 Chunk = TypeVar("Chunk")
 
 

@@ -75,6 +75,8 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         #: called (soon) when the response has come to its end
         self.on_complete: Callable[[], None] | None = None
+        #: takes the body as it is read, in the read's callback, instead of `body`
+        self.consumer: Callable[[bytes], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.lost = loop.create_future()  # done once the connection is gone
         self._delimited = False  # by a length or chunks (else by the connection's end)
@@ -123,6 +125,14 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        consumer = self.consumer
+        if consumer is not None:
+            try:
+                consumer(body)
+            except Exception as exc:  # the reader's own error: it ends the response
+                self.consumer = None
+                self.fail(exc)
+            return
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
@@ -238,6 +248,40 @@ class StreamedResponse:
 
     async def aread(self) -> bytes:
         return b"".join([data async for data in self])
+
+    async def pump(self, consume: Callable[[bytes], bool]) -> None:
+        """Hand the body to `consume` as it is read — in the callback that read it from
+        the socket, so no task is woken per read — until `consume` says it has what
+        it wanted (`finish()` is then implied) or the body ends. Raises as iterating
+        does, and what `consume` raises. Cancelling is safe: nothing is handed on
+        once it is."""
+        connection = self._connection
+        decoder = self._decoder
+        wanted = False
+
+        def take(data: bytes) -> None:
+            nonlocal wanted
+            if wanted:
+                return  # the rest of the message after what was wanted
+            if decoder is not None:
+                data = decoder.decompress(data)
+            if consume(data):
+                wanted = True
+                connection._wake()
+
+        if connection.body:  # what came with the headers
+            take(connection.take())
+        connection.consumer = take
+        try:
+            while not wanted:
+                if connection.error is not None:
+                    raise connection.error
+                if connection.complete:
+                    return
+                await connection.wait()
+        finally:
+            connection.consumer = None
+        self.finish()
 
     def finish(self) -> None:
         """The reader has what it wanted (an SSE stream's `[DONE]`): what is left is

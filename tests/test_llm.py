@@ -32,6 +32,16 @@ async def deltas(client: LLMClient, content: str = MESSAGES[0]["content"]) -> li
     return [(d.kind, d.text) async for d in client.stream(messages)]  # type: ignore[arg-type]
 
 
+async def answered(
+    client: LLMClient, content: str, got: list[tuple[str, str]] | None = None
+) -> list[tuple[str, str]]:
+    """What `answer` hands its sink, as (kind, text)."""
+    got = [] if got is None else got
+    keep = got.append
+    await client.answer([{"role": "user", "content": content}], lambda d: keep((d.kind, d.text)))
+    return got
+
+
 def llm(model_url: str, key: str, **settings: float) -> LLMClient:
     return LLMClient(LLMSettings(base_url=model_url, api_key=key, model="m", **settings))
 
@@ -62,6 +72,40 @@ async def test_the_stream_is_read_by_the_streaming_client_and_gives_what_the_sdk
     assert "".join(text for kind, text in fast if kind == "content").count("tok") == 40
     # the SDK's headers went with it: its key, its user agent
     assert fake_model.requests[0]["stream_options"] == {"include_usage": True}
+
+
+async def test_an_answer_handed_to_a_sink_is_what_the_stream_yields_on_both_paths(
+    model_url, fake_model
+):
+    """`answer` parses in the callback that read the bytes (direct connections) or
+    hands on what the SDK's path yields (a proxy's): either way the same deltas as
+    `stream`, think tags split, a malformed chunk a StreamError after what came before
+    it, and an error of the sink's own ends the answer with it."""
+    client = llm(model_url, fake_model.api_key)
+    content = "count #tokens=30 #reasoning=3 #think"
+    try:
+        streamed = await deltas(client, content)
+        for direct in (True, False):
+            streaming = client._streaming
+            if not direct:
+                client._streaming = None
+            try:
+                assert await answered(client, content) == streamed
+                got: list[tuple[str, str]] = []
+                with pytest.raises(StreamError, match="malformed"):
+                    await answered(client, "#tokens=9 #malformed=4", got)
+                assert "".join(t for k, t in got if k == "content") == "tok0 tok1 tok2 tok3 "
+
+                def refusing(delta):
+                    if delta.kind == "content":
+                        raise LookupError("the sink's own")
+
+                with pytest.raises(LookupError):
+                    await client.answer([{"role": "user", "content": "#tokens=5"}], refusing)
+            finally:
+                client._streaming = streaming
+    finally:
+        await client.aclose()
 
 
 async def test_connections_are_kept_alive_and_reused(model_url, fake_model):

@@ -26,7 +26,7 @@ from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
-from ..llm import ChatModel, ContextTooLong, Message, cut_to_tokens, tokens_in
+from ..llm import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..metrics import Metrics
 from ..prompts import Prompts
 from ..protocol import ChatRequest
@@ -118,6 +118,8 @@ class Generation:
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
+        self._requested = 0.0  # when the answer was asked of the model
+        self._most = text_chars(services.settings.stream.max_event_bytes)
         self._progress = Progress()
         self.work = asyncio.get_running_loop().create_task(
             self._generate(), name=f"answer-{handle.answer_id}"
@@ -254,37 +256,43 @@ class Generation:
         return messages
 
     async def _stream(self, messages: list[Message]) -> None:
-        """The model's answer, relayed as it comes. A piece of text too big for one
-        event (a model's whole answer in one chunk, say) goes out in several: the
-        only cost on the path of a token is its length compared."""
-        svc, req = self.services, self.request
-        emit, content, reasoning = self.out.emit, self.content, self.reasoning
-        most = text_chars(svc.settings.stream.max_event_bytes)
-        requested = time.monotonic()
-        async for delta in svc.llm.stream(messages, model=req.model):
-            if not self.first_token_at and delta.kind != "keepalive":
-                self.first_token_at = time.monotonic()
-                svc.metrics.upstream_latency.observe(self.first_token_at - requested)
-                svc.metrics.time_to_first_token.observe(self.first_token_at - self.accepted_at)
-            kind = delta.kind
-            if kind == "content":
-                content.append(delta.text)
-                if len(delta.text) <= most:
-                    emit("message", data=delta.text)
-                else:
-                    for i in range(0, len(delta.text), most):
-                        emit("message", data=delta.text[i : i + most])
-            elif kind == "reasoning":
-                reasoning.append(delta.text)
-                if len(delta.text) <= most:
-                    emit("reasoning", data=delta.text)
-                else:
-                    for i in range(0, len(delta.text), most):
-                        emit("reasoning", data=delta.text[i : i + most])
-            elif kind == "usage":
-                self.counted = delta.usage
+        """The model's answer, relayed as it comes: each delta is written to the log
+        by `_take`, called by the model client as it reads them (on a direct
+        connection, in the callback that read the bytes: no task wakes per token)."""
+        self._requested = time.monotonic()
+        await self.services.llm.answer(messages, self._take, model=self.request.model)
+
+    def _take(self, delta: Delta) -> None:
+        """One delta of the answer into the log. A piece of text too big for one event
+        (a model's whole answer in one chunk, say) goes out in several: the only cost
+        on the path of a token is its length compared."""
+        kind = delta.kind
+        if not self.first_token_at and kind != "keepalive":
+            svc = self.services
+            self.first_token_at = time.monotonic()
+            svc.metrics.upstream_latency.observe(self.first_token_at - self._requested)
+            svc.metrics.time_to_first_token.observe(self.first_token_at - self.accepted_at)
+        if kind == "content":
+            self.content.append(delta.text)
+            if len(delta.text) <= self._most:
+                self.out.emit("message", data=delta.text)
             else:
-                self.out.keepalive()
+                self._emit_in_pieces("message", delta.text)
+        elif kind == "reasoning":
+            self.reasoning.append(delta.text)
+            if len(delta.text) <= self._most:
+                self.out.emit("reasoning", data=delta.text)
+            else:
+                self._emit_in_pieces("reasoning", delta.text)
+        elif kind == "usage":
+            self.counted = delta.usage
+        else:
+            self.out.keepalive()
+
+    def _emit_in_pieces(self, type: str, text: str) -> None:
+        most = self._most
+        for i in range(0, len(text), most):
+            self.out.emit(type, data=text[i : i + most])
 
     async def _classify(self, sources: WebSources, history: list[tuple[str, str]]) -> Decision:
         """Whether and where to search (PROTOCOL §3 `classify` step). A mode kept to

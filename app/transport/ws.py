@@ -24,6 +24,7 @@ from ..errors import AppError, BadRequest, RateLimited
 from ..events import Event, Handle
 from ..protocol import (
     Encoder,
+    TokenJson,
     error_body,
     loads,
     parse_chat_request,
@@ -47,6 +48,7 @@ class WsEncoder(Encoder[list[str]]):
 
     def __init__(self, fmt: str) -> None:
         self.format = fmt
+        self._tokens = TokenJson(event_id=True) if fmt == "default" else None
 
     def preamble(self, handle: Handle) -> list[str] | None:
         start = render_start(handle, self.format)
@@ -54,8 +56,13 @@ class WsEncoder(Encoder[list[str]]):
 
     def encode(self, events: Sequence[Event]) -> list[str] | None:
         frames = []
-        fmt = self.format
+        fmt, tokens = self.format, self._tokens
         for event in events:
+            if tokens is not None and event.seq:
+                token = tokens.of(event)
+                if token is not None:  # a piece of the answer: made around its text
+                    frames.append(token.decode())
+                    continue
             frame = render(event, fmt)
             if frame is None:
                 continue
