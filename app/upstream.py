@@ -331,7 +331,8 @@ class StreamingClient:
         self.ssl_context = (ssl_context or ssl.create_default_context()) if self.secure else None
         self.max_idle = max_idle
         self.keepalive_seconds = keepalive_seconds
-        self._idle: list[Connection] = []
+        self._idle: list[Connection] = []  # oldest first
+        self._expiry: asyncio.TimerHandle | None = None
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._busy: set[Connection] = set()
         self._lingering: set[Connection] = set()
@@ -410,6 +411,25 @@ class StreamingClient:
         connection.reset()
         connection.idle_since = time.monotonic()
         self._idle.append(connection)
+        if self._expiry is None:
+            self._expiry = connection.loop.call_later(self.keepalive_seconds, self._expire)
+
+    def _expire(self) -> None:
+        """Close the pooled connections idle for `keepalive_seconds` (a pool that had
+        many streams at once would otherwise keep their sockets until it is used as
+        much again); look again while any is left."""
+        self._expiry = None
+        now = time.monotonic()
+        kept = []
+        for connection in self._idle:
+            if now - connection.idle_since >= self.keepalive_seconds:
+                connection.close()
+            else:
+                kept.append(connection)
+        self._idle[:] = kept
+        if kept:
+            wait = kept[0].idle_since + self.keepalive_seconds - now
+            self._expiry = asyncio.get_running_loop().call_later(max(wait, 0.05), self._expire)
 
     def watch(self, connection: Connection, *, before_headers: bool) -> _Cancel:
         """The read timeout of `connection` (see the module docstring): on expiry it
@@ -437,6 +457,9 @@ class StreamingClient:
         """Close every connection, and wait (a moment at most) until they are gone."""
         connections = [*self._idle, *self._busy, *self._lingering]
         self._idle.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for connection in connections:
             connection.close()
         if connections:

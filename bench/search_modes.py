@@ -12,7 +12,8 @@ every page read `--read-ms` (400). Each server runs as its own `python -m app`
 process on the same fakes, configured by environment. The research agent's rounds
 are scripted in the fake model's tool calls: balanced searches two angles at once,
 then reads the two best pages at once, then is done; quality searches three angles
-at once, reads three pages at once, then is done. A server without the agent runs
+at once, reads three pages at once, then is done; `deep` (focusMode deepResearch)
+does what quality does, then searches two more angles and reads two more pages. A server without the agent runs
 its own fixed pipeline on the same question. Figures are medians of `--questions`.
 """
 
@@ -35,7 +36,7 @@ from tests.fakes.model import FakeModel
 from tests.fakes.search import RELEVANT_QUESTION, RESULT_COUNT, FakeSearch
 from tests.servers import ROOT, free_port, serve, wait_for_port
 
-MODES = ("speed", "balanced", "quality")
+MODES = ("speed", "balanced", "quality", "deep")  # deep: focusMode deepResearch
 
 
 def script(model: FakeModel, search: FakeSearch, mode: str) -> None:
@@ -52,6 +53,14 @@ def script(model: FakeModel, search: FakeSearch, mode: str) -> None:
             [("read_url", {"urls": [page + "3", page + "1", page + "2"]})],
             [("done", {})],
         ]
+    elif mode == "deep":
+        model.tool_rounds[:] = [
+            [("web_search", {"query": q}) for q in ("falcon methane", "raptor", "merlin")],
+            [("read_url", {"urls": [page + "3", page + "1", page + "2"]})],
+            [("web_search", {"query": q}) for q in ("reuse", "thrust")],
+            [("read_url", {"urls": [page + "4", page + "5"]})],
+            [("done", {})],
+        ]
     else:
         model.tool_rounds.clear()
 
@@ -63,17 +72,20 @@ async def one(
     asked, searched, read = len(model.requests), len(search.queries), len(search.pages_read)
     body = {
         "userId": "1",
-        "focusMode": "webSearch",
-        "optimizationMode": mode,
+        "focusMode": "deepResearch" if mode == "deep" else "webSearch",
+        "optimizationMode": "quality" if mode == "deep" else mode,
         # long enough for a rewrite (or the classifier) to be asked for, as most are
         "message": {"content": f"{RELEVANT_QUESTION} in detail, question {i} #wait={wait}"},
     }
     started = time.perf_counter()
-    first = end = 0.0
+    first = end = classified = 0.0
     async with client.stream("POST", "/api/chat/sse", json=body) as response:
         async for item in iter_sse(response):
             if not isinstance(item, SseEvent):
                 continue
+            step = item.data.get("step") if item.type == "progress" else None
+            if isinstance(step, dict) and step.get("kind") == "classify" and not classified:
+                classified = time.perf_counter() - started
             if item.type in ("message", "reasoning") and item.data.get("data") and not first:
                 first = time.perf_counter() - started
             if item.type in ("messageEnd", "error"):
@@ -83,6 +95,7 @@ async def one(
         "calls": len(calls) - 1,  # the title is written after the end
         "searches": len(search.queries) - searched,
         "reads": len(search.pages_read) - read,
+        "classified": classified * 1000,  # 0: no classifier step (or none sent)
         "first": first * 1000,
         "end": end * 1000,
     }
@@ -190,15 +203,19 @@ def main() -> None:
         f"model {args.model_ms:.0f} ms a call, search {args.search_ms:.0f} ms, "
         f"read {args.read_ms:.0f} ms; medians of {args.questions} questions\n"
     )
-    print("| server | mode | model calls | searches | reads | first token ms | end ms |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| server | mode | model calls | searches | reads | classified ms "
+        "| first token ms | end ms |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for mode in MODES:
         for target in targets:
             runs = found[(target.name, mode)]
             m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            classified = f"{m['classified']:.0f}" if m["classified"] else "—"
             print(
                 f"| {target.name} | {mode} | {m['calls']:.0f} | {m['searches']:.0f} | "
-                f"{m['reads']:.0f} | {m['first']:.0f} | {m['end']:.0f} |"
+                f"{m['reads']:.0f} | {classified} | {m['first']:.0f} | {m['end']:.0f} |"
             )
 
 

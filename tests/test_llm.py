@@ -480,3 +480,24 @@ async def test_a_reasoning_model_is_given_room_to_reason_in_short_calls(model_ur
 def test_only_a_refusal_of_tools_marks_a_model_as_without_them(detail, refused):
     assert refuses_tools(400, detail) is refused
     assert refuses_tools(500, detail) is False
+
+
+async def test_connections_idle_past_their_keep_alive_are_closed_unused():
+    """A pool that served many streams at once does not keep their sockets: what
+    waits in it longer than `keepalive_seconds` is closed, used again or not."""
+    answer = HEAD + b"content-length: %d\r\n\r\n%s" % (len(SSE), SSE)
+    server, url, _ = await raw_server(lambda n: answer)
+    pool = streaming(url, keepalive_seconds=0.3)
+    try:
+        responses = await asyncio.gather(*(pool.post("/chat/completions", b"{}") for _ in range(4)))
+        for response in responses:
+            assert await response.aread() == SSE
+            await response.aclose()
+        assert len(pool._idle) == 4
+        pooled = list(pool._idle)
+        await asyncio.sleep(0.8)
+        assert pool._idle == []
+        assert all(connection.lost.done() for connection in pooled)
+    finally:
+        await pool.aclose()
+        server.close()

@@ -16,7 +16,7 @@ from app.streams import close_redis, open_redis
 from app.streams import rediskeys as keys
 from app.streams.base import GenerationLog
 from app.streams.claims import CLAIMED, RECOVERING, TAKEN, Claims
-from app.streams.connect import BLOCKING_CONNECTIONS, blocking_client, cluster_client
+from app.streams.connect import BLOCKING_CONNECTIONS, blocking_client, cluster_client, shed_idle
 from app.streams.follower import follow
 from app.streams.journal import Journal
 from app.streams.recovery import Recovery
@@ -380,3 +380,28 @@ async def test_on_a_sentinels_master_claims_and_a_waiting_client_work(redis_sent
     finally:
         await close_redis(waiting)
         await close_redis(client)
+
+
+async def connected(redis: object) -> int:
+    """Clients Redis has connected (every master's, on a cluster)."""
+    if hasattr(redis, "nodes_manager"):
+        found = await redis.info("clients", target_nodes=redis.PRIMARIES)  # type: ignore[attr-defined]
+        return sum(int(info["connected_clients"]) for info in found.values())
+    return int((await redis.info("clients"))["connected_clients"])  # type: ignore[attr-defined]
+
+
+async def test_the_waiting_clients_unused_connections_are_closed(client):
+    """A connection per reader that waits: once they are done, `shed_idle` closes the
+    ones left in the pool (and the client connects again when asked)."""
+    waiting = blocking_client(client)
+    try:
+        before = await connected(client)
+        await asyncio.gather(
+            *(waiting.xread({keys.log(f"idle{i}"): "0-0"}, block=200) for i in range(8))
+        )
+        assert await connected(client) >= before + 8
+        await shed_idle(waiting)
+        assert await connected(client) <= before + 1
+        assert await waiting.xread({keys.log("idle0"): "0-0"}, block=10) in ([], {}, None)
+    finally:
+        await close_redis(waiting)

@@ -207,6 +207,20 @@ async def refresh_cluster(redis: Any) -> None:
         await redis.nodes_manager.initialize()
 
 
+async def shed_idle(redis: Any) -> None:
+    """Close the connections of a client that wait unused in its pool (of every node,
+    for a cluster): redis-py's pools never close one, so a client for reads that wait
+    (one connection per waiting reader) would keep as many sockets as it ever had
+    readers at once. They stay in the pool and connect again when next taken."""
+    if is_cluster(redis):
+        nodes = list(redis.nodes_manager.nodes_cache.values())
+        await asyncio.gather(
+            *(node.disconnect_free_connections() for node in nodes), return_exceptions=True
+        )
+        return
+    await redis.connection_pool.disconnect(inuse_connections=False)
+
+
 async def close_redis(redis: Any) -> None:
     """Close a client from `open_redis` or `blocking_client`, every connection of it.
     redis-py's `RedisCluster.aclose` does nothing while a failed call has left the

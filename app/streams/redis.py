@@ -48,7 +48,7 @@ from .base import (
     too_many,
 )
 from .claims import RECOVERING, TAKEN, Claims, end_in
-from .connect import blocking_client, close_redis, is_cluster, refresh_cluster
+from .connect import blocking_client, close_redis, is_cluster, refresh_cluster, shed_idle
 from .follower import BUSY_SECONDS, WATCH_EVERY, follow
 from .journal import Journal, Plan
 from .recovery import Recovery, recovering
@@ -59,6 +59,8 @@ LOG_CAP = 100_000  # entries (batches) per generation, approximate
 #: how often a running generation's own log is brought up to date from the journal
 CHECKPOINT_SECONDS = 2.0
 OWNERS_KEPT = 1024  # answers of other processes whose owner is remembered
+#: how often the waiting client's unused connections are closed (see `_shed_idle`)
+SHED_SECONDS = 60.0
 #: the longest one call to Redis may take: connecting, or a command's answer
 OPERATION_SECONDS = 2.0
 #: a cancel listener that heard nothing for this long asks Redis whether it is there
@@ -160,6 +162,17 @@ class RedisHub(StreamHub):
         self._chores.loop("committer", self._committer)
         self._chores.loop("cancel listener", self._listener)
         self._chores.loop("heartbeat", self._heartbeat)
+        self._chores.loop("idle connections", self._shed_idle)
+
+    async def _shed_idle(self) -> None:
+        """Every `SHED_SECONDS`, close the waiting client's connections that no reader
+        uses (each follower held one while it waited): a worker that once followed
+        hundreds of answers does not keep their sockets."""
+        while True:
+            await asyncio.sleep(SHED_SECONDS)
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.timeout):
+                    await shed_idle(self.blocking)
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
