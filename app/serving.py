@@ -314,9 +314,13 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.conn.handshake_exc is not None and not self.handshake_complete:
+            self.handle_handshake_exception()  # a uvicorn that leaves it unanswered
+
+    def handle_handshake_exception(self) -> None:
+        """The refusal in JSON, in place of the plain text `websockets` queued (a
+        uvicorn that answers a refused handshake itself calls this)."""
         refused = self.conn.handshake_exc
-        if refused is None or self.handshake_complete:
-            return
         self.conn.data_to_send()  # its plain-text refusal: ours is JSON
         self.handshake_complete = self.close_sent = True
         if isinstance(refused, SecurityError):  # a line, or the headers, too long
