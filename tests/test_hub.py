@@ -415,6 +415,24 @@ async def test_redis_a_claim_taken_by_another_generation_is_reported(target, cap
         assert await owner.redis.get(keys.run("5")) == other  # left as it is
 
 
+async def test_redis_after_a_lost_connection_the_next_beat_reads_every_claim(target):
+    """A claim its node lost (it came back empty) is found at the first beat after
+    the connection was lost, not a quarter of its TTL later: until then another
+    process could take the chat. Without a lost connection, a claim not yet due is
+    not read."""
+    async with redis_hub(*target, handle_ttl=60) as owner:
+        h = handle(chat="6", answer="600")
+        await owner.register(h, lambda: None)
+        await owner.beat()  # the claim is fresh: not due for 15 s
+        await owner.redis.delete(keys.run("6"))
+        await owner.beat()
+        assert await owner.redis.get(keys.run("6")) is None  # not read: not due
+        owner.connection_lost()
+        await owner.beat()
+        assert await owner.redis.get(keys.run("6")) is not None  # found gone, set again
+        await owner.finish(h, Event("messageEnd", "6", "600", {"status": "completed"}, 1))
+
+
 async def test_redis_an_end_that_meets_a_stalled_redis_still_arrives():
     """Redis stalls (not restarted: it keeps its data) while a generation ends and the
     write times out: the terminal event is written when Redis answers again (a

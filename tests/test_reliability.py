@@ -389,6 +389,14 @@ async def test_after_a_cluster_master_restarts_empty_running_chats_stay_claimed_
                     victim.start()  # back, empty, with its slots
                     await asyncio.to_thread(cluster.wait_ok)
 
+                    # the owner finds the loss at its first beat once the node is back
+                    # (retried every ≤ 0.5 s): before that, a process that has not been
+                    # told may take a chat whose claim was lost (README, Scaling)
+                    async def reasserted():
+                        return "re-asserted" in a.output()
+
+                    await wait_for(reasserted, timeout=10)
+
                     async def settled(method, path, **kwargs):
                         # while owners re-assert, the other host says "retry", never 404
                         response = await http.request(method, b.url + path, **kwargs)

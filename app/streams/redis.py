@@ -145,6 +145,7 @@ class RedisHub(StreamHub):
         self._ending: dict[str, tuple[asyncio.Future[None], Handle, str | None]] = {}
         self._wake = asyncio.Event()
         self._beat_now = asyncio.Event()
+        self._claims_unread = False  # every claim to be read at the next beat
         self._flush_lock = asyncio.Lock()
         self._chores = Chores("redis hub")
         self._outage = False
@@ -209,6 +210,10 @@ class RedisHub(StreamHub):
 
     def connection_lost(self) -> None:
         self.recovery.connection_lost()
+        # the node that failed may come back empty: every claim is read at the next
+        # beat, not only those due, so that a lost one is found (and the other
+        # processes told to wait) before another process can take its chat
+        self._claims_unread = True
 
     async def reconnect(self) -> None:
         """After a failed call: on a cluster, read where the slots are now (a replica
@@ -474,6 +479,7 @@ class RedisHub(StreamHub):
             else:
                 if self._outage:
                     log.info("redis is back: events are written again")
+                    self._beat_now.set()  # are the claims still there?
                 self._outage, delay = False, 0.05
 
     async def flush(self, only: str | None = None) -> None:
@@ -714,6 +720,9 @@ class RedisHub(StreamHub):
                 self._wake.set()
 
     async def _heartbeat(self) -> None:
+        #: after a failed beat the next comes soon (≤ 0.5 s): a node back empty is found,
+        #: and its lost claims set again, before other processes take their chats
+        delay = 0.1
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.beat_interval):
@@ -722,6 +731,7 @@ class RedisHub(StreamHub):
             try:
                 async with asyncio.timeout(self.timeout * 2):
                     await self.beat()
+                delay = 0.1
             except MaxConnectionsError:  # every connection to a node is taken: soon again
                 await asyncio.sleep(BUSY_SECONDS)
                 self._beat_now.set()
@@ -729,6 +739,9 @@ class RedisHub(StreamHub):
                 log.debug("heartbeat: redis unavailable: %r", exc)
                 self.connection_lost()
                 await self.reconnect()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                self._beat_now.set()
 
     async def beat(self) -> None:
         """One heartbeat, in one pipeline: say this process lives (and keep its journal),
@@ -741,11 +754,15 @@ class RedisHub(StreamHub):
         claim found missing, and re-assert what Redis lost."""
         running = self.local.running()
         now = time.monotonic()
-        due = [
-            r
-            for r in running
-            if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
-        ]
+        if self._claims_unread:
+            due = running
+        else:
+            due = [
+                r
+                for r in running
+                if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
+            ]
+        self._claims_unread = False
         if self._flags_unread:
             flags = running
         else:  # registered since the last beat: a cancel may have come before it was local
@@ -772,6 +789,7 @@ class RedisHub(StreamHub):
                 results = await pipe.execute()
         except BaseException:
             self._flags_unread = self._flags_unread or bool(flags)  # read them next time
+            self._claims_unread = self._claims_unread or due is running
             raise
         was_alive = results[0]
         stride = 2 if self._cluster else 1
