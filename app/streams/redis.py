@@ -145,7 +145,6 @@ class RedisHub(StreamHub):
         self._ending: dict[str, tuple[asyncio.Future[None], Handle, str | None]] = {}
         self._wake = asyncio.Event()
         self._beat_now = asyncio.Event()
-        self._claims_unread = False  # every claim to be read at the next beat
         self._flush_lock = asyncio.Lock()
         self._chores = Chores("redis hub")
         self._outage = False
@@ -210,10 +209,6 @@ class RedisHub(StreamHub):
 
     def connection_lost(self) -> None:
         self.recovery.connection_lost()
-        # the node that failed may come back empty: every claim is read at the next
-        # beat, not only those due, so that a lost one is found (and the other
-        # processes told to wait) before another process can take its chat
-        self._claims_unread = True
 
     async def reconnect(self) -> None:
         """After a failed call: on a cluster, read where the slots are now (a replica
@@ -754,7 +749,10 @@ class RedisHub(StreamHub):
         claim found missing, and re-assert what Redis lost."""
         running = self.local.running()
         now = time.monotonic()
-        if self._claims_unread:
+        if self.recovery.doubtful():
+            # a node that failed may come back empty: every claim is read, not only
+            # those due, so that a lost one is found (and the other processes told to
+            # wait) before another process can take its chat
             due = running
         else:
             due = [
@@ -762,7 +760,6 @@ class RedisHub(StreamHub):
                 for r in running
                 if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
             ]
-        self._claims_unread = False
         if self._flags_unread:
             flags = running
         else:  # registered since the last beat: a cancel may have come before it was local
@@ -789,7 +786,6 @@ class RedisHub(StreamHub):
                 results = await pipe.execute()
         except BaseException:
             self._flags_unread = self._flags_unread or bool(flags)  # read them next time
-            self._claims_unread = self._claims_unread or due is running
             raise
         was_alive = results[0]
         stride = 2 if self._cluster else 1
