@@ -16,11 +16,11 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .chat.service import ChatService
-from .demo import is_demo
 from .errors import BadRequest, NotFound
 from .events import FOCUS_MODES
 from .files.extract import kind_of
 from .files.service import clean_name
+from .model import is_demo
 from .protocol import (
     FORMATS,
     OPTIMIZATION_MODES,

@@ -29,7 +29,6 @@ from .collections.base import open_engine
 from .collections.retrieval import Retriever
 from .collections.service import CollectionService
 from .config import Settings, auth_mode
-from .demo import DemoModel, is_demo
 from .errors import AppError, BadRequest, NotFound
 from .files.service import FileService
 from .identity.accounts import Accounts
@@ -40,9 +39,9 @@ from .identity.resolver import Identity
 from .identity.throttle import SignInThrottle
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
-from .llm import ChatModel, Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
+from .model import ChatModel, DemoModel, Embedder, LLMClient, is_demo
 from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store

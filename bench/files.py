@@ -34,7 +34,7 @@ from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
 from app.files.index import top, unit_rows
 from app.files.service import FileService
 from app.ids import Snowflake
-from app.llm import Embedder
+from app.model import Embedder
 from app.store import FileRecord, StoredChunk, open_store
 from bench.load import mixed_load, percentile
 from bench.run import app_server, fast_model

@@ -235,7 +235,7 @@ async def test_searches_find_every_passage_while_a_space_is_reembedded(tmp_path)
     """Re-embedding swaps the vectors in at once: a search meanwhile never meets a
     space emptied for rewriting."""
     from app.config import EmbeddingsSettings
-    from app.llm import Embedder
+    from app.model import Embedder
 
     async with open_engine(f"tantivy:///{tmp_path}/r") as engine:
         many = [passage(f"d{i:03d}", f"harbour report {i}") for i in range(200)]

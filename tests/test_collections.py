@@ -966,7 +966,7 @@ async def test_several_collections_are_ranked_by_score_not_each_by_its_own_rank(
     from app.collections.base import open_engine
     from app.collections.retrieval import Retriever
     from app.config import CollectionSettings, EmbeddingsSettings
-    from app.llm import Embedder
+    from app.model import Embedder
 
     def passage(document, text):
         return Passage(document, 0, 0, document, "File", text)

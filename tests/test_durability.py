@@ -838,7 +838,7 @@ async def test_a_collection_document_left_indexing_by_a_dead_process_is_failed_a
     from app.collections.service import CollectionService
     from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
     from app.ids import Snowflake
-    from app.llm import Embedder
+    from app.model import Embedder
 
     store = open_store(f"sqlite:///{tmp_path}/documents.db")
     engine = open_engine(f"tantivy:///{tmp_path}/engine")

@@ -40,7 +40,7 @@ import orjson
 from ..config import Settings
 from ..errors import AppError, SearchError
 from ..files.service import FileService
-from ..llm import ChatModel, ToolCall, ToolsUnsupported, tokens_in
+from ..model import ChatModel, ToolCall, ToolsUnsupported, tokens_in
 from ..prompts import Prompts
 from ..search.base import RECENCY, SearchFilters, SearchResult, SearchScope, in_domain
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline

@@ -26,8 +26,8 @@ from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
-from ..llm import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..metrics import Metrics
+from ..model import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..prompts import Prompts
 from ..protocol import ChatRequest
 from ..search.base import SearchResult

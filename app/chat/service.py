@@ -31,8 +31,8 @@ from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, Not
 from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
-from ..llm import ChatModel
 from ..metrics import Metrics
+from ..model import ChatModel
 from ..prompts import Prompts
 from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import config
-from ..llm import Embedder
+from ..model import Embedder
 from .base import open_engine
 from .retrieval import reembed
 

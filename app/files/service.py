@@ -28,7 +28,7 @@ from ..collections.retrieval import Retriever
 from ..config import UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
 from ..ids import Snowflake
-from ..llm import Embedder
+from ..model import Embedder
 from ..search.base import SearchResult
 from ..store import FileRecord, Store, StoredChunk
 from .extract import Extracted, cited_page, extract, kind_of

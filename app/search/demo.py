@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from urllib.parse import quote_plus
 
-from ..demo import topic_of
+from ..model import topic_of
 from .base import SearchFilters, SearchProvider, SearchResult, SearchScope
 
 

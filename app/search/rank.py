@@ -8,7 +8,7 @@ import orjson
 
 from ..errors import AppError
 from ..files.index import unit_rows
-from ..llm import ChatModel, Embedder
+from ..model import ChatModel, Embedder
 from ..prompts import Prompts
 from .base import SearchResult
 

@@ -28,7 +28,7 @@ import httpx
 from ..chores import cancel_and_wait
 from ..config import Settings
 from ..errors import AppError, SearchError
-from ..llm import ChatModel, Embedder
+from ..model import ChatModel, Embedder
 from ..prompts import Prompts
 from .base import (
     MediaResult,
