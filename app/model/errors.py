@@ -116,7 +116,10 @@ def model_errors(what: str, host: str = "") -> Iterator[None]:
             extra={"fields": {"modelHost": host, "cause": cause}},
         )
         raise ModelError(CAUSES[cause][1].format(what=what)) from exc
-    except (openai.OpenAIError, orjson.JSONDecodeError, OSError) as exc:
+    except Exception as exc:
+        broke = (openai.OpenAIError, orjson.JSONDecodeError, OSError)
+        if not (isinstance(exc, broke) or _is_transport_error(exc)):
+            raise
         log.warning(
             "the %s stream broke: %s",
             what,
@@ -124,16 +127,6 @@ def model_errors(what: str, host: str = "") -> Iterator[None]:
             extra={"fields": {"modelHost": host}},
         )
         raise StreamError(f"the {what} stream broke off") from exc
-    except Exception as exc:
-        if _is_transport_error(exc):
-            log.warning(
-                "the %s stream broke: %s",
-                what,
-                type(exc).__name__,
-                extra={"fields": {"modelHost": host}},
-            )
-            raise StreamError(f"the {what} stream broke off") from exc
-        raise
 
 
 #: why a model could not be reached: (for the log, for the user)
