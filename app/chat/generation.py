@@ -41,11 +41,12 @@ from ..search.web import (
 )
 from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
-from .agent import Researcher, context_tokens, source_key
+from .agent import Researcher, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, Progress, steps_of
 from .modes import MODES, PLAIN_PROMPT, WebSources
+from .tools import source_key
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
