@@ -43,6 +43,7 @@ from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound, RateLimited, Unavailable
 from ..files.extract import Chunk, chunk_pages, cited_page, clean, extract_many
 from ..ids import Snowflake
+from ..ownership import authorize
 from ..search.base import SearchResult
 from ..search.reader import Reader
 from ..store import CollectionRecord, DocumentRecord, GroupRecord, Store
@@ -203,8 +204,9 @@ class CollectionService:
         """The collection, if `user_id` owns it; `Forbidden` for a user it is shared
         with (read-only), `NotFound` for anyone else."""
         record = await self.readable(user_id, collection_id)
-        if record.owner != user_id:
-            raise Forbidden("this collection is shared with you read-only")
+        authorize(
+            record.owner, user_id, refusal=Forbidden("this collection is shared with you read-only")
+        )
         return record
 
     async def listed(self, user_id: str) -> list[CollectionRecord]:

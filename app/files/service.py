@@ -26,9 +26,10 @@ from ..chores import Chores
 from ..collections.base import Passage as IndexedPassage
 from ..collections.retrieval import Retriever
 from ..config import UploadSettings
-from ..errors import AppError, BadRequest, Forbidden, NotFound
+from ..errors import AppError, BadRequest, NotFound
 from ..ids import Snowflake
 from ..llm import Embedder
+from ..ownership import authorize
 from ..search.base import SearchResult
 from ..store import FileRecord, Store, StoredChunk
 from .extract import Extracted, cited_page, extract, kind_of
@@ -201,8 +202,7 @@ class FileService:
         record = await self.store.get_file(file_id)
         if record is None:
             raise NotFound("no such file")
-        if record.user_id != user_id:
-            raise Forbidden("this file belongs to another user")
+        authorize(record.user_id, user_id, "file")
         return record
 
     async def list_files(self, user_id: str) -> list[FileRecord]:
@@ -220,8 +220,10 @@ class FileService:
         records = []
         for file_id in file_ids:
             record = await self.store.get_file(file_id)
-            if record is None or record.user_id != user_id:
-                raise BadRequest(f"files: {file_id!r} is not one of your uploads")
+            refusal = BadRequest(f"files: {file_id!r} is not one of your uploads")
+            if record is None:
+                raise refusal
+            authorize(record.user_id, user_id, refusal=refusal)
             if record.status != "ready":
                 raise BadRequest(f"files: {record.name!r} is {record.status}, not ready")
             records.append(record)
