@@ -787,7 +787,7 @@ async def test_a_bug_in_any_route_still_answers_in_its_protocols_shape(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("app.api.choose_provider", broken)
+    monkeypatch.setattr("app.transport.api.choose_provider", broken)
     monkeypatch.setattr("app.transport.openai.model_ids", broken)
     with serve(create_app(settings)) as running:
         async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:

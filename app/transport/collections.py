@@ -30,6 +30,7 @@ from .http import (
     current_user,
     json_errors,
     rate_key,
+    read_form,
     read_json,
 )
 
@@ -105,8 +106,6 @@ async def add_documents(request: Request) -> Response:
     collection_id = _id(request)
     async with service.importing(rate_key(request)) as slot:
         if "multipart/form-data" in request.headers.get("content-type", ""):
-            from ..api import read_form
-
             if request.scope.get("user_id") is not None or "userId" in request.query_params:
                 await service.owned(_user(request), collection_id)
             limit = service.settings.max_import_bytes
