@@ -870,6 +870,10 @@ class Recorded(logging.Handler):
 
 
 def test_a_middleware_marked_stream_safe_is_taken(settings):
+    """The server starts (its lifespan, where the refusal is, runs) and answers
+    through the middleware."""
+    seen: list[str] = []
+
     class Tag:
         stream_safe = True
 
@@ -877,11 +881,15 @@ def test_a_middleware_marked_stream_safe_is_taken(settings):
             self.app = app
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                seen.append(scope["path"])
             await self.app(scope, receive, send)
 
     app = create_app(settings)
     app.add_middleware(Tag)
-    app.build_middleware_stack()
+    with serve(app) as server:
+        assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+    assert seen == ["/healthz"]
 
 
 async def test_an_unknown_route_answers_in_its_protocols_shape(client):
