@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import MaxConnectionsError, RedisError
 
@@ -23,19 +23,38 @@ from ..errors import AppError
 from ..events import Event, Handle
 from . import rediskeys as k
 from .connect import is_cluster
-
-if TYPE_CHECKING:
-    from .redis import RedisHub
+from .rediskeys import BUSY_SECONDS, WATCH_EVERY
 
 log = logging.getLogger("app.streams")
 
 BLOCK_MS = 1000
-#: how often a follower says again that it follows (the owner forgets after three times that)
-WATCH_EVERY = 2.0
 #: a follower that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
-#: how long a follower waits when every connection its client may open is busy
-BUSY_SECONDS = 0.05
+
+
+class Followed(Protocol):
+    """What a follower needs of its hub (the Redis hub is one)."""
+
+    #: the client for commands, and the one for reads that wait (XREAD BLOCK)
+    redis: Any
+    blocking: Any
+    #: the longest one call to Redis may take
+    timeout: float
+    #: how long a lost claim or a Redis away is waited for: `settle` + `claim_ttl`
+    settle: float
+    claim_ttl: float
+
+    async def owner_of(self, answer_id: str) -> str: ...
+
+    async def states(self, answers: list[tuple[str, str]]) -> list[str]: ...
+
+    async def alive(self, token: str) -> bool: ...
+
+    async def gather(self, handle: Handle) -> dict[int, Event]: ...
+
+    def connection_lost(self) -> None: ...
+
+    async def reconnect(self) -> None: ...
 
 
 async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
@@ -52,7 +71,7 @@ async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
     )
 
 
-async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+async def follow(hub: Followed, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
     """The events after `after_seq` of another process's generation, in order, each
     once, until its terminal event. Through an outage it reconnects and goes on from
     the last event it had; it ends with an `error` event when the generation is

@@ -6,6 +6,7 @@ The hub is composed of parts, each in its module:
     rediskeys   the keys (hash-tagged by chat, answer or process) and their encodings
     claims      claims on chats, the concurrency cap, one-at-a-time chores (scripts)
     journal     the group commit's bookkeeping, with no I/O: what to write where
+    beat        the heartbeat's bookkeeping, with no I/O: which claims and flags to read
     follower    following a generation of another process (its log only)
     recovery    what is done when Redis lost its data
 
@@ -47,11 +48,13 @@ from .base import (
     already_running,
     too_many,
 )
+from .beat import Beat
 from .claims import RECOVERING, TAKEN, Claims, end_in
 from .connect import blocking_client, close_redis, is_cluster, refresh_cluster, shed_idle
-from .follower import BUSY_SECONDS, WATCH_EVERY, follow
+from .follower import follow
 from .journal import Journal, Plan
 from .recovery import Recovery, recovering
+from .rediskeys import BUSY_SECONDS, WATCH_EVERY
 
 log = logging.getLogger("app.streams")
 
@@ -739,88 +742,52 @@ class RedisHub(StreamHub):
                 self._beat_now.set()
 
     async def beat(self) -> None:
-        """One heartbeat, in one pipeline: say this process lives (and keep its journal),
-        and for each claim a quarter of its TTL old: extend it (one GETEX, which also
-        says whose the claim is) and its cap entry, and on a cluster see that its
-        handle is still there (its node may have lost its data alone). Pick up the
-        cancel flags of the answers registered since the last beat (a cancel can come
-        before an answer is held here) and, after the cancel listener was
-        (re)subscribed, of every running answer (it may have missed one). Set again a
-        claim found missing, and re-assert what Redis lost."""
-        running = self.local.running()
+        """One heartbeat, in one pipeline, as a `Beat` plans it; then set again a claim
+        found missing, re-assert what Redis lost, and cancel what was flagged."""
         now = time.monotonic()
-        if self.recovery.doubtful():
-            # a node that failed may come back empty: every claim is read, not only
-            # those due, so that a lost one is found (and the other processes told to
-            # wait) before another process can take its chat
-            due = running
-        else:
-            due = [
-                r
-                for r in running
-                if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
-            ]
-        if self._flags_unread:
-            flags = running
-        else:  # registered since the last beat: a cancel may have come before it was local
-            flags = [r for r in running if r.handle.answer_id in self._fresh]
+        beat = Beat.plan(
+            self.local.running(),
+            self._extended,
+            now=now,
+            wall_ms=int(time.time() * 1000),
+            refresh=self.claim_refresh,
+            doubtful=self.recovery.doubtful(),
+            flags_unread=self._flags_unread,
+            fresh=self._fresh,
+            token=self.token,
+            cluster=self._cluster,
+            handle_ttl_ms=self.handle_ttl_ms,
+            proc_ttl_ms=self.proc_ttl_ms,
+            keep_ms=self.keep_ms,
+        )
         self._flags_unread = False
         self._fresh.clear()
-        expiry = int(time.time() * 1000) + self.handle_ttl_ms
-        by_cap: dict[str, dict[str, int]] = {}
-        for r in due:
-            by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(k.proc(self.token), b"1", px=self.proc_ttl_ms, get=True)
-                pipe.pexpire(k.journal(self.token), self.keep_ms)
-                for r in due:
-                    pipe.getex(k.run(r.handle.chat_id), px=self.handle_ttl_ms)
-                    if self._cluster:
-                        pipe.exists(k.gen(r.handle.answer_id))
-                for r in flags:
-                    pipe.get(k.cancel(r.handle.answer_id))
-                for cap_key, members in by_cap.items():
-                    pipe.zadd(k.active(cap_key), members)
-                    pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
+                for name, args, kwargs in beat.commands():
+                    getattr(pipe, name)(*args, **kwargs)
                 results = await pipe.execute()
         except BaseException:
-            self._flags_unread = self._flags_unread or bool(flags)  # read them next time
+            self._flags_unread = self._flags_unread or bool(beat.flags)  # read them next time
             raise
-        was_alive = results[0]
-        stride = 2 if self._cluster else 1
-        per_claim = [
-            (results[2 + stride * i], results[3 + stride * i] if self._cluster else 1)
-            for i in range(len(due))
-        ]
-        flagged = results[2 + stride * len(due) : 2 + stride * len(due) + len(flags)]
-        for r in due:
+        heard = beat.read(results)
+        for r in beat.due:
             if self.local.runs(r.handle.answer_id):  # not ended while this beat ran
                 self._extended[r.handle.answer_id] = now
-        if was_alive is None:
+        if heard.lost_data:
             self._lost_data()
             kept = self.local.kept_logs()
             self.recovery.needs_reassert.update(log_.handle.answer_id for log_ in kept)
-            missing = running
         else:
-            missing = [r for r, (claim, _) in zip(due, per_claim, strict=True) if claim is None]
-            self._check_kept(
-                due,
-                [
-                    1 if claim in (None, k.dump_handle(r.handle)) else 0
-                    for r, (claim, _) in zip(due, per_claim, strict=True)
-                ],
-            )
-            # a handle gone with its claim still there: the answer's node lost its data
-            lost = [r for r, (claim, gen) in zip(due, per_claim, strict=True) if claim and not gen]
-            if lost:
+            self._check_kept(beat.due, heard.kept)
+            if heard.lost:  # a handle gone with its claim still there: its node lost data
                 self._lost_data()
-                self.recovery.needs_reassert.update(r.handle.answer_id for r in lost)
+                self.recovery.needs_reassert.update(r.handle.answer_id for r in heard.lost)
         if self.recovery.say_so:
             await self.redis.set(k.RECOVERING, self.token, px=int(self.settle * 1000), nx=True)
             self.recovery.say_so = False
-        if missing:
-            await self._claim_again(missing)
+        if heard.missing:
+            await self._claim_again(heard.missing)
         if self.recovery.needs_reassert:
             logs = [self.local.log(answer_id) for answer_id in self.recovery.needs_reassert]
             async with self._flush_lock:
@@ -833,9 +800,8 @@ class RedisHub(StreamHub):
                     running_ms=self.max_generation_ms,
                 )
             self.recovery.needs_reassert.clear()
-        for r, flag in zip(flags, flagged, strict=True):
-            if flag:
-                self.local.cancel(r.handle.answer_id)
+        for r in heard.cancelled:
+            self.local.cancel(r.handle.answer_id)
         if self._unended:
             await self._end_again()
 
