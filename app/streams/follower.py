@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from redis.exceptions import MaxConnectionsError, RedisError
@@ -69,6 +69,52 @@ async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
     return await client.execute_command(
         "XREAD", "BLOCK", BLOCK_MS, "STREAMS", key, last_id, target_nodes=node
     )
+
+
+async def gather_many(redis: Any, handles: Sequence[Handle]) -> dict[str, dict[int, Event]]:
+    """Every event of each generation that Redis holds — its log and, unless the log
+    has its end, its owner's journal — by seq (a commit sent again after a failure may
+    have written some twice), each owner's journal read once for all of them (a dead
+    process's orphans share it). The journal is read first: what it no longer holds
+    was trimmed after the log had it."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in handles:
+            pipe.xrevrange(k.log(handle.answer_id), count=1)
+        lasts = await pipe.execute()
+    events: dict[str, dict[int, Event]] = {h.answer_id: {} for h in handles}
+    open_ = [
+        handle
+        for handle, found in zip(handles, lasts, strict=True)
+        # a log that has its end holds all of it
+        if not (found and any(e.terminal for e in k.load_events(found[0][1][b"e"], handle)))
+    ]
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in open_:
+            pipe.get(k.owner(handle.answer_id))
+        owners = await pipe.execute()
+    by_owner: dict[str, list[Handle]] = {}
+    for handle, owner in zip(open_, owners, strict=True):
+        if owner:
+            by_owner.setdefault(k.text(owner), []).append(handle)
+    for owner, owned in by_owner.items():
+        fields_of = {h.answer_id.encode(): h for h in owned}
+        for _id, fields in await redis.xrange(k.journal(owner)):
+            for field, raw in fields.items():
+                handle_ = fields_of.get(field)
+                if handle_ is not None:
+                    kept = events[handle_.answer_id]
+                    for event in k.load_events(raw, handle_):
+                        kept.setdefault(event.seq, event)
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in handles:
+            pipe.xrange(k.log(handle.answer_id))
+        logs = await pipe.execute()
+    for handle, entries in zip(handles, logs, strict=True):
+        kept = events[handle.answer_id]
+        for _id, fields in entries:
+            for event in k.load_events(fields[b"e"], handle):
+                kept.setdefault(event.seq, event)
+    return events
 
 
 async def follow(hub: Followed, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
