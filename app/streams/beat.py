@@ -1,6 +1,6 @@
 """What one heartbeat of the Redis hub sends, and what its answers mean: the
-bookkeeping of the beat, with no I/O (the hub's heartbeat sends what a `Beat` says in
-one pipeline, then reads the answers back through it).
+bookkeeping of the beat, with no I/O (the hub's `Heartbeat` plans each `Beat`; the
+hub sends what it says in one pipeline, then reads the answers back through it).
 
 A beat says the process lives (its key, read back: found missing, Redis lost its
 data) and keeps its journal. It extends each claim a quarter of its TTL old (one
@@ -42,16 +42,49 @@ class Heard:
     cancelled: list[Running] = field(default_factory=list)
 
 
-@dataclass
-class Beat:
-    """One heartbeat: `commands()` to send in one pipeline, `read(results)` for what
-    their answers say."""
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What every beat of one hub shares: its process's token, whether Redis is a
+    cluster, the TTLs, and how old a claim is when a beat extends it (`refresh`)."""
 
     token: str
     cluster: bool
     handle_ttl_ms: int
     proc_ttl_ms: int
     keep_ms: int
+    refresh: float
+
+    def plan(
+        self,
+        running: list[Running],
+        extended: Mapping[str, float],
+        *,
+        now: float,
+        wall_ms: int,
+        doubtful: bool,
+        flags_unread: bool,
+        fresh: Collection[str],
+    ) -> Beat:
+        """The beat for `running` at `now` (monotonic; `wall_ms` the Unix time in
+        milliseconds), each claim extended last at `extended[answer_id]`: the claims
+        `refresh` seconds old (all of them while the hub is `doubtful` of Redis), and
+        the cancel flags of all of them if `flags_unread`, else of the `fresh` ones."""
+        if doubtful:
+            due = running
+        else:
+            due = [
+                r for r in running if now - extended.get(r.handle.answer_id, 0.0) >= self.refresh
+            ]
+        flags = running if flags_unread else [r for r in running if r.handle.answer_id in fresh]
+        return Beat(self, running, due, flags, wall_ms + self.handle_ttl_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One heartbeat: `commands()` to send in one pipeline, `read(results)` for what
+    their answers say."""
+
+    heart: Heartbeat
     running: list[Running]
     #: the claims to read and extend
     due: list[Running]
@@ -60,53 +93,15 @@ class Beat:
     #: when an extended claim expires (Unix milliseconds: the cap's scores)
     expiry: int
 
-    @classmethod
-    def plan(
-        cls,
-        running: list[Running],
-        extended: Mapping[str, float],
-        *,
-        now: float,
-        wall_ms: int,
-        refresh: float,
-        doubtful: bool,
-        flags_unread: bool,
-        fresh: Collection[str],
-        token: str,
-        cluster: bool,
-        handle_ttl_ms: int,
-        proc_ttl_ms: int,
-        keep_ms: int,
-    ) -> Beat:
-        """The beat for `running` at `now` (monotonic), each claim extended last at
-        `extended[answer_id]`, due once `refresh` seconds old (all of them while the
-        hub is `doubtful` of Redis); the cancel flags of all of them if
-        `flags_unread`, else of the `fresh` ones."""
-        if doubtful:
-            due = running
-        else:
-            due = [r for r in running if now - extended.get(r.handle.answer_id, 0.0) >= refresh]
-        flags = running if flags_unread else [r for r in running if r.handle.answer_id in fresh]
-        return cls(
-            token=token,
-            cluster=cluster,
-            handle_ttl_ms=handle_ttl_ms,
-            proc_ttl_ms=proc_ttl_ms,
-            keep_ms=keep_ms,
-            running=running,
-            due=due,
-            flags=flags,
-            expiry=wall_ms + handle_ttl_ms,
-        )
-
     def commands(self) -> list[Command]:
+        heart = self.heart
         out: list[Command] = [
-            ("set", (k.proc(self.token), b"1"), {"px": self.proc_ttl_ms, "get": True}),
-            ("pexpire", (k.journal(self.token), self.keep_ms), {}),
+            ("set", (k.proc(heart.token), b"1"), {"px": heart.proc_ttl_ms, "get": True}),
+            ("pexpire", (k.journal(heart.token), heart.keep_ms), {}),
         ]
         for r in self.due:
-            out.append(("getex", (k.run(r.handle.chat_id),), {"px": self.handle_ttl_ms}))
-            if self.cluster:
+            out.append(("getex", (k.run(r.handle.chat_id),), {"px": heart.handle_ttl_ms}))
+            if heart.cluster:
                 out.append(("exists", (k.gen(r.handle.answer_id),), {}))
         out += [("get", (k.cancel(r.handle.answer_id),), {}) for r in self.flags]
         by_cap: dict[str, dict[str, int]] = {}
@@ -114,14 +109,15 @@ class Beat:
             by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = self.expiry
         for cap_key, members in by_cap.items():
             out.append(("zadd", (k.active(cap_key), members), {}))
-            out.append(("pexpire", (k.active(cap_key), self.handle_ttl_ms), {}))
+            out.append(("pexpire", (k.active(cap_key), heart.handle_ttl_ms), {}))
         return out
 
     def read(self, results: Sequence[Any]) -> Heard:
         """What the answers to `commands()`, in order, say."""
-        stride = 2 if self.cluster else 1
+        cluster = self.heart.cluster
+        stride = 2 if cluster else 1
         per_claim = [
-            (results[2 + stride * i], results[3 + stride * i] if self.cluster else 1)
+            (results[2 + stride * i], results[3 + stride * i] if cluster else 1)
             for i in range(len(self.due))
         ]
         start = 2 + stride * len(self.due)

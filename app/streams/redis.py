@@ -42,7 +42,7 @@ from .base import (
     already_running,
     too_many,
 )
-from .beat import Beat
+from .beat import Heartbeat
 from .claims import RECOVERING, TAKEN, Claims
 from .commits import Committer
 from .connect import blocking_client, close_redis, is_cluster, refresh_cluster, shed_idle_every
@@ -141,6 +141,14 @@ class RedisHub(StreamHub):
         #: (at least half its TTL is always left: an owner cut off from Redis for
         #: less than that keeps its chats)
         self.claim_refresh = handle_ttl / 4
+        self.heartbeat = Heartbeat(
+            self.token,
+            self._cluster,
+            self.handle_ttl_ms,
+            self.proc_ttl_ms,
+            self.keep_ms,
+            self.claim_refresh,
+        )
         self._extended: dict[str, float] = {}  # when each claim was set or last extended
         self._owners: dict[str, str] = {}  # answers of other processes: whose they are
         #: ended answers whose end Redis did not take (the claim released, the keys
@@ -510,20 +518,14 @@ class RedisHub(StreamHub):
         """One heartbeat, in one pipeline, as a `Beat` plans it; then set again a claim
         found missing, re-assert what Redis lost, and cancel what was flagged."""
         now = time.monotonic()
-        beat = Beat.plan(
+        beat = self.heartbeat.plan(
             self.local.running(),
             self._extended,
             now=now,
             wall_ms=int(time.time() * 1000),
-            refresh=self.claim_refresh,
             doubtful=self.recovery.doubtful(),
             flags_unread=self._flags_unread,
             fresh=self._fresh,
-            token=self.token,
-            cluster=self._cluster,
-            handle_ttl_ms=self.handle_ttl_ms,
-            proc_ttl_ms=self.proc_ttl_ms,
-            keep_ms=self.keep_ms,
         )
         self._flags_unread = False
         self._fresh.clear()
