@@ -42,8 +42,8 @@ from ..chores import Chores
 from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound, RateLimited, Unavailable
 from ..files.extract import Chunk, chunk_pages, cited_page, clean, extract_many
-from ..ids import Snowflake
-from ..search.base import SearchResult
+from ..ids import Snowflake, parse_id
+from ..results import SearchResult
 from ..search.reader import Reader
 from ..store import CollectionRecord, DocumentRecord, GroupRecord, Store
 from .archive import Entry, Refusal, discard, entries, new_spool, remove_spool
@@ -233,8 +233,6 @@ class CollectionService:
         return await self.owned(user_id, collection_id)
 
     async def _group_ids(self, value: Any) -> tuple[str, ...]:
-        from ..protocol import parse_id
-
         if not isinstance(value, list) or len(value) > MAX_SHARED:
             raise BadRequest(f"groups must be a list of at most {MAX_SHARED} group ids")
         ids = tuple(dict.fromkeys(parse_id(v, "groups[]") for v in value))
@@ -765,16 +763,12 @@ def _text(value: Any, name: str, limit: int, required: bool = False) -> str:
 
 
 def _members(value: Any) -> tuple[str, ...]:
-    from ..protocol import parse_id
-
     if not isinstance(value, list) or len(value) > MAX_GROUP_MEMBERS:
         raise BadRequest(f"members must be a list of at most {MAX_GROUP_MEMBERS} user ids")
     return tuple(sorted(dict.fromkeys(parse_id(v, "members[]") for v in value)))
 
 
 def _users(value: Any, owner: str) -> tuple[str, ...]:
-    from ..protocol import parse_id
-
     if not isinstance(value, list) or len(value) > MAX_SHARED:
         raise BadRequest(f"shared must be a list of at most {MAX_SHARED} user ids")
     return tuple(dict.fromkeys(u for u in (parse_id(v, "shared[]") for v in value) if u != owner))

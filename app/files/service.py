@@ -29,7 +29,7 @@ from ..config import UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound
 from ..ids import Snowflake
 from ..llm import Embedder
-from ..search.base import SearchResult
+from ..results import SearchResult
 from ..store import FileRecord, Store, StoredChunk
 from .extract import Extracted, cited_page, extract, kind_of
 from .index import Bm25Index, bm25_scores, unit_rows

@@ -10,7 +10,7 @@ from ..errors import AppError
 from ..files.index import unit_rows
 from ..llm import ChatModel, Embedder
 from ..prompts import Prompts
-from .base import SearchResult
+from ..results import SearchResult
 
 _OUTPUT = re.compile(r"<output>(.*?)</output>", re.S | re.I)
 _NUMBER = re.compile(r"\d+")
