@@ -19,9 +19,10 @@ import bm25s
 import numpy as np
 import pytest
 
-from app.collections.base import Engine, Passage, open_engine, terms
+from app.collections.base import Engine, Passage, open_engine
 from app.collections.retrieval import reembed
 from app.files.extract import chunk_pages
+from app.scoring import terms
 from bench.corpus import generate
 from tests.servers import free_port, wait_for_port
 

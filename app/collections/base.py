@@ -14,23 +14,12 @@ index. Errors of an engine's driver leave it as `EngineError` (503 to a client).
 from __future__ import annotations
 
 import abc
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import Unavailable
-
-#: what BM25 counts as a term: runs of letters and digits, lower-cased (the tokeniser of
-#: the embedded engine, and of the bench's reference BM25)
-TERM = re.compile(r"[^\W_]+")
-MAX_TERM_CHARS = 40
-
-
-def terms(text: str) -> list[str]:
-    """The BM25 terms of `text`, in order (repeats kept)."""
-    return [t for t in TERM.findall(text.lower()) if len(t) <= MAX_TERM_CHARS]
 
 
 class EngineError(Unavailable):
@@ -152,16 +141,6 @@ def open_engine(url: str, *, vector_cache_bytes: int = 512 << 20) -> Engine:
         f"unsupported collections URL {url!r}: use tantivy:///folder, milvus:///file.db"
         " or milvus://host:19530"
     )
-
-
-def unit(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to length 1 (zero rows stay zero), as float32."""
-    vectors = np.asarray(vectors, dtype=np.float32)
-    if vectors.ndim == 1:
-        vectors = vectors[None, :]
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    out: np.ndarray = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
-    return out
 
 
 def url_path(url: str) -> str:

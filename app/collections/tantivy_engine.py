@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import tantivy
 
-from .base import Engine, EngineError, Hit, Passage, terms, unit, url_path
+from ..scoring import terms, unit_rows
+from .base import Engine, EngineError, Hit, Passage, url_path
 
 WRITER_HEAP_BYTES = 64 * 1024 * 1024
 WRITER_WAIT_SECONDS = 30.0
@@ -436,7 +437,7 @@ class TantivyEngine(Engine):
         cached = self._matrix(space)
         if cached.matrix is None or documents == []:
             return []
-        query = unit(vector)[0]
+        query = unit_rows(vector)[0]
         if query.shape[0] != cached.matrix.shape[1]:
             return []  # embedded by another model: `python -m app.collections reembed`
         mask = None
@@ -532,12 +533,12 @@ class TantivyEngine(Engine):
                 return cached.appended(version, last, [], np.empty((0, 0), np.float32))
             if widths == {cached.buffer.shape[1] * 4}:
                 raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
-                return cached.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
+                return cached.appended(version, last, keys, unit_rows(raw.reshape(len(rows), -1)))
             return self._load(space, None)  # another width: read it whole
         fresh = _Vectors(version, removed, last)
         if rows and len(widths) == 1:
             raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
-            fresh = fresh.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
+            fresh = fresh.appended(version, last, keys, unit_rows(raw.reshape(len(rows), -1)))
         return fresh
 
     async def passages(self, space: str) -> list[Passage]:
