@@ -19,7 +19,7 @@ from .chat.service import ChatService
 from .demo import is_demo
 from .errors import BadRequest, NotFound
 from .events import FOCUS_MODES
-from .files.extract import kind_of
+from .extract import kind_of
 from .files.service import clean_name
 from .ids import is_number, parse_id
 from .protocol import FORMATS, OPTIMIZATION_MODES, parse_control, parse_history, parse_messages

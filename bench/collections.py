@@ -57,7 +57,7 @@ import numpy as np
 
 from app.collections.base import Engine, Hit, Passage, open_engine
 from app.collections.retrieval import fuse
-from app.files.extract import chunk_pages
+from app.extract import chunk_pages
 from app.scoring import terms
 from bench.corpus import Document, Question, generate, with_distractors
 from bench.load import mixed_load, percentile

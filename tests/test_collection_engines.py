@@ -21,7 +21,7 @@ import pytest
 
 from app.collections.base import Engine, Passage, open_engine
 from app.collections.retrieval import reembed
-from app.files.extract import chunk_pages
+from app.extract import chunk_pages
 from app.scoring import terms
 from bench.corpus import generate
 from tests.servers import free_port, wait_for_port

@@ -4,7 +4,7 @@ The store keeps what every process must agree on (collections, shares, documents
 their status); the engine (`base.py`) keeps the passages. An import answers at once:
 every document of the request is recorded — `indexing`, or `failed` with why when it
 is refused by name (`archive.py`) — and then read, chunked (in a child process,
-`files/extract.py`), embedded in batches (when an embeddings model is configured) and
+`app/extract.py`), embedded in batches (when an embeddings model is configured) and
 indexed in the background, a few documents at a time per process. A document is
 searchable once all its passages are in the engine, and `ready` after that; one that
 fails leaves nothing in the engine. The event loop only waits: reading runs in child
@@ -41,7 +41,7 @@ import numpy as np
 from ..chores import Chores
 from ..config import CollectionSettings, UploadSettings
 from ..errors import AppError, BadRequest, Forbidden, NotFound, RateLimited, Unavailable
-from ..files.extract import Chunk, chunk_pages, cited_page, clean, extract_many
+from ..extract import Chunk, chunk_pages, cited_page, clean, extract_many
 from ..ids import Snowflake, parse_id
 from ..results import SearchResult
 from ..search.reader import Reader
