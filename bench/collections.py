@@ -55,7 +55,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.collections.base import Engine, Hit, Passage, open_engine
+from app.collections import open_engine
+from app.collections.base import Engine, Hit, Passage
 from app.collections.retrieval import fuse
 from app.extract import chunk_pages
 from app.scoring import terms

@@ -28,7 +28,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from app.collections.base import open_engine
+from app.collections import open_engine
 from app.collections.retrieval import Retriever
 from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
 from app.files.service import FileService

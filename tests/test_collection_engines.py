@@ -19,7 +19,8 @@ import bm25s
 import numpy as np
 import pytest
 
-from app.collections.base import Engine, Passage, open_engine
+from app.collections import open_engine
+from app.collections.base import Engine, Passage
 from app.collections.retrieval import reembed
 from app.extract import chunk_pages
 from app.scoring import terms

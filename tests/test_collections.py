@@ -560,7 +560,7 @@ def embedding(fake_model) -> bool:
 
 async def engine_passages(settings, space):
     """What the engine holds of a space, read after the server stopped."""
-    from app.collections.base import open_engine
+    from app.collections import open_engine
 
     async with open_engine(settings.collections.url) as engine:
         return await engine.passages(space), await engine.spaces()
@@ -963,7 +963,7 @@ async def test_failed_documents_do_not_count_against_the_collection_limit(settin
 async def test_several_collections_are_ranked_by_score_not_each_by_its_own_rank(tmp_path):
     """A collection with nothing relevant ranks its best weak match first among its
     own; merged by BM25 score it does not sit beside another's best answer."""
-    from app.collections.base import open_engine
+    from app.collections import open_engine
     from app.collections.retrieval import Retriever
     from app.config import CollectionSettings, EmbeddingsSettings
     from app.llm import Embedder
