@@ -90,8 +90,8 @@ def cosines(question: np.ndarray, rows: np.ndarray) -> list[float]:
 
 
 def top(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indexes of the `k` best scores, best first."""
+    """Indexes of the `k` best scores, best first (ties in index order)."""
     if len(scores) <= k:
         return np.argsort(-scores, kind="stable")
-    best = np.argpartition(-scores, k)[:k]
+    best = np.argpartition(-scores, k - 1)[:k]
     return best[np.argsort(-scores[best], kind="stable")]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import tantivy
 
-from ..scoring import terms, unit_rows
+from ..scoring import terms, top, unit_rows
 from .base import Engine, EngineError, Hit, Passage, url_path
 from .vectors import Vectors
 
@@ -345,11 +345,10 @@ class TantivyEngine(Engine):
             wanted = set(documents)
             mask = np.fromiter((k[0] in wanted for k in cached.keys), bool, len(cached.keys))
         scores = cached.scores(query, limit, mask)
-        k = min(limit, len(scores))
-        best = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-        best = best[np.argsort(-scores[best], kind="stable")]
         keys = [
-            (*cached.keys[i], float(scores[i])) for i in best.tolist() if np.isfinite(scores[i])
+            (*cached.keys[i], float(scores[i]))
+            for i in top(scores, limit).tolist()
+            if np.isfinite(scores[i])
         ]
         return self._hits(space, keys)
 
