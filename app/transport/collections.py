@@ -23,7 +23,8 @@ from ..collections.service import CollectionService
 from ..config import auth_mode
 from ..errors import AppError, BadRequest, Forbidden, Unauthorized
 from ..files.service import clean_name
-from ..protocol import error_body, parse_id
+from ..ids import parse_id
+from ..protocol import error_body
 from .http import (
     client_identity,
     count_request,

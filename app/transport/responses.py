@@ -42,7 +42,8 @@ from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, Conflict, NotFound
 from ..events import Event, Handle
-from ..protocol import ChatRequest, Encoder, Events, parse_id
+from ..ids import parse_id
+from ..protocol import ChatRequest, Encoder, Events
 from ..store import Chat, StoredMessage, StoredResponse
 from .http import client_identity, count_request, openai_errors, rate_key, read_json
 from .openai import (

@@ -20,15 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..events import Event, Handle
-from ..protocol import (
-    FORMATS,
-    Encoder,
-    TokenJson,
-    parse_chat_request,
-    parse_id,
-    render,
-    render_start,
-)
+from ..ids import parse_id
+from ..protocol import FORMATS, Encoder, TokenJson, parse_chat_request, render, render_start
 from .http import (
     client_identity,
     count_request,
