@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from . import config, logs
 from .auth import RateLimiter
 from .chat.service import ChatService
-from .collections.base import open_engine
+from .collections import open_engine
 from .collections.retrieval import Retriever
 from .collections.service import CollectionService
 from .config import Settings, auth_mode

@@ -24,8 +24,9 @@ from typing import Any
 
 from ..errors import AppError, BadRequest, Conflict, NotFound
 from ..events import Event, Handle
+from ..ids import parse_id
 from ..ownership import authorize
-from ..protocol import ChatRequest, Events, parse_id
+from ..protocol import ChatRequest, Events
 from ..store import Chat, StoredMessage, StoredResponse
 from .history import HISTORY_MESSAGES
 from .service import ChatService

@@ -1,7 +1,7 @@
 """Your own documents: upload, index, list, delete, and the passages that answer a question.
 
 An upload is read and chunked by tokens, with the page each chunk is on, in a
-child process (`extract.py`: CPU work stays off the event loop), embedded in batches
+child process (`app/extract.py`: CPU work stays off the event loop), embedded in batches
 through the configured embeddings model (when there is one), put in the collections
 engine as a document of its owner's private space (`uploads-<userId>`), and stored —
 file, chunks and vectors in one transaction, so a file is either ready or failed,
@@ -27,13 +27,13 @@ from ..collections.base import Passage as IndexedPassage
 from ..collections.retrieval import Retriever
 from ..config import UploadSettings
 from ..errors import AppError, BadRequest, NotFound
+from ..extract import Extracted, cited_page, extract, kind_of
 from ..ids import Snowflake
 from ..llm import Embedder
 from ..ownership import authorize
-from ..search.base import SearchResult
+from ..results import SearchResult
+from ..scoring import Bm25Index, bm25_scores, cosines
 from ..store import FileRecord, Store, StoredChunk
-from .extract import Extracted, cited_page, extract, kind_of
-from .index import Bm25Index, bm25_scores, unit_rows
 
 log = logging.getLogger("app.files")
 
@@ -276,12 +276,12 @@ class FileService:
             vectors = await self.embedder.embed(
                 [query, *texts, *(p.result.snippet for p in passages)]
             )
-            scores = (unit_rows(vectors)[1:] @ unit_rows(vectors)[0]).tolist()
+            scores = cosines(vectors[0], vectors[1:])
             web_scores, file_scores = scores[: len(web)], scores[len(web) :]
         except AppError:  # no embeddings model (or it failed): BM25 over all of them
             everything = texts + [p.result.snippet for p in passages]
-            (scores,) = bm25_scores([Bm25Index(everything)], query)
-            web_scores, file_scores = scores[: len(web)].tolist(), scores[len(web) :].tolist()
+            (lexical,) = bm25_scores([Bm25Index(everything)], query)
+            web_scores, file_scores = lexical[: len(web)].tolist(), lexical[len(web) :].tolist()
         ranked = sorted(
             zip(web_scores + file_scores, web + [p.result for p in passages], strict=True),
             key=lambda pair: -pair[0],

@@ -17,17 +17,10 @@ from ..chat.service import ChatService
 from ..demo import is_demo
 from ..errors import BadRequest, NotFound
 from ..events import FOCUS_MODES
-from ..files.extract import kind_of
+from ..extract import kind_of
 from ..files.service import clean_name
-from ..protocol import (
-    FORMATS,
-    OPTIMIZATION_MODES,
-    is_number,
-    parse_control,
-    parse_history,
-    parse_id,
-    parse_messages,
-)
+from ..ids import is_number, parse_id
+from ..protocol import FORMATS, OPTIMIZATION_MODES, parse_control, parse_history, parse_messages
 from ..search.web import choose_provider, search_problem
 from .http import (
     ANONYMOUS,

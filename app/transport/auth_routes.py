@@ -22,7 +22,7 @@ from ..identity.accounts import Account, Accounts
 from ..identity.oidc import FLOW_COOKIE, FLOW_SECONDS, OidcSignIn
 from ..identity.quota import Quota
 from ..identity.resolver import SESSION_COOKIE, Identity
-from ..protocol import parse_id
+from ..ids import parse_id
 from .http import current_user, error_response, json_errors, read_json
 from .usage import usage_json
 

@@ -19,7 +19,8 @@ from ..auth import Auth
 from ..errors import AppError, BadRequest, Unauthorized, UnknownModel
 from ..identity import User
 from ..identity.resolver import SAFE_METHODS, Identity
-from ..protocol import ChatRequest, error_body, is_number, loads, parse_id
+from ..ids import is_number, parse_id
+from ..protocol import ChatRequest, error_body, loads
 
 log = logging.getLogger("app.http")
 
