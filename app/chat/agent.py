@@ -39,7 +39,8 @@ from ..errors import AppError
 from ..files.service import FileService
 from ..model import ChatModel, ToolCall, ToolsUnsupported, tokens_in
 from ..prompts import Prompts
-from ..search.base import SearchFilters, SearchResult, SearchScope
+from ..results import SearchFilters, SearchResult
+from ..search.base import SearchScope
 from ..search.web import Progress, WebSearch, until_deadline
 from ..store import FileRecord
 from .tools import MAX_READS, RESULT_CHARS, Research, Steps, research_tools

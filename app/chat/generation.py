@@ -30,7 +30,7 @@ from ..metrics import Metrics
 from ..model import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..prompts import Prompts
 from ..protocol import ChatRequest
-from ..search.base import SearchResult
+from ..results import SearchResult
 from ..search.web import (
     CONTEXT_CHARS_PER_SOURCE,
     SNIPPET_CHARS,

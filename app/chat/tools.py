@@ -28,7 +28,8 @@ from ..config import ReaderSettings, SearchSettings, UploadSettings
 from ..errors import AppError, SearchError
 from ..files.service import FileService
 from ..model import ToolCall
-from ..search.base import RECENCY, SearchFilters, SearchResult, SearchScope, in_domain
+from ..results import RECENCY, SearchFilters, SearchResult, in_domain
+from ..search.base import SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
 from .modes import ACADEMIC, DISCUSSIONS

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from .. import config
 from ..model import Embedder
-from .base import open_engine
+from . import open_engine
 from .retrieval import reembed
 
 

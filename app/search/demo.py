@@ -7,7 +7,8 @@ from __future__ import annotations
 from urllib.parse import quote_plus
 
 from ..model import topic_of
-from .base import SearchFilters, SearchProvider, SearchResult, SearchScope
+from ..results import SearchFilters, SearchResult
+from .base import SearchProvider, SearchScope
 
 
 class DemoSearch(SearchProvider):
