@@ -102,15 +102,15 @@ class SQLiteConnection(Connection):
     def __init__(self, db: aiosqlite.Connection) -> None:
         self.db = db
 
+    # one trip each to aiosqlite's thread: its cursors are left to be freed with
+    # their wrapper rather than closed by another trip
+
     async def fetch(self, sql: str, *params: Any) -> list[Any]:
-        async with self.db.execute(SQLITE.sql(sql), params) as cursor:
-            return list(await cursor.fetchall())
+        return list(await self.db.execute_fetchall(SQLITE.sql(sql), params))
 
     async def execute(self, sql: str, *params: Any) -> int:
         cursor = await self.db.execute(SQLITE.sql(sql), params)
-        count = cursor.rowcount
-        await cursor.close()
-        return count
+        return cursor.rowcount
 
     async def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         await self.db.executemany(SQLITE.sql(sql), rows)
