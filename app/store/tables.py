@@ -2,7 +2,9 @@
 migrations, numbered as they always were, gathered from the aggregates.
 
 A backend (SQLite, PostgreSQL) is a `Database` and its `Dialect`; everything else
-is written once here and in the aggregates' modules."""
+is written once here and in the aggregates' modules. Another aggregate (shares,
+schedules) is one more module: its `MIGRATIONS` under the next numbers, listed in
+`AGGREGATES`, and its tables' class mixed into `SQLStore`."""
 
 from __future__ import annotations
 
