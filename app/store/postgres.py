@@ -88,7 +88,8 @@ class PostgresConnection(Connection):
         self.conn = conn
 
     async def fetch(self, sql: str, *params: Any) -> list[Any]:
-        return list(await self.conn.fetch(POSTGRES.sql(sql), *params))
+        rows: list[Any] = await self.conn.fetch(POSTGRES.sql(sql), *params)
+        return rows
 
     async def fetchrow(self, sql: str, *params: Any) -> Any | None:
         return await self.conn.fetchrow(POSTGRES.sql(sql), *params)
@@ -127,6 +128,7 @@ class PostgresDatabase(Database):
         self.max_size = max_size
         self.statement_cache_size = statement_cache_size
         self._pool: asyncpg.Pool | None = None
+        self._on_pool: PostgresConnection | None = None
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(
@@ -143,9 +145,10 @@ class PostgresDatabase(Database):
         except BaseException:
             await self.close()
             raise
+        self._on_pool = PostgresConnection(self._pool)
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._on_pool = self._pool, None, None
         if pool is not None:
             await pool.close()
 
@@ -157,7 +160,9 @@ class PostgresDatabase(Database):
 
     @property
     def _any(self) -> PostgresConnection:
-        return PostgresConnection(self.pool)
+        if self._on_pool is None:
+            raise OSError("store is not open")
+        return self._on_pool
 
     async def fetch(self, sql: str, *params: Any) -> list[Any]:
         return await self._any.fetch(sql, *params)
