@@ -300,6 +300,14 @@ class AuthSettings:
 
 
 @dataclass(frozen=True)
+class ShareSettings:
+    #: share links (PROTOCOL §15); false: every share route answers 404
+    enabled: bool = True
+    #: let search engines index shared pages (false: they say `noindex`)
+    indexable: bool = False
+
+
+@dataclass(frozen=True)
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     llm: LLMSettings = field(default_factory=LLMSettings)
@@ -318,6 +326,7 @@ class Settings:
     stream: StreamSettings = field(default_factory=StreamSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
+    share: ShareSettings = field(default_factory=ShareSettings)
 
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""

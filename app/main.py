@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from . import config, logs
 from .auth import RateLimiter
 from .chat.service import ChatService
+from .chat.shares import Shares
 from .collections import open_engine
 from .collections.retrieval import Retriever
 from .collections.service import CollectionService
@@ -46,7 +47,18 @@ from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import close_redis, open_hub, open_redis
-from .transport import api, auth_routes, collections, openai, perplexica, responses, sse, usage, ws
+from .transport import (
+    api,
+    auth_routes,
+    collections,
+    openai,
+    perplexica,
+    responses,
+    shares,
+    sse,
+    usage,
+    ws,
+)
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
@@ -187,6 +199,7 @@ def create_app(
             app.state.settings = settings
             app.state.service = service
             app.state.collections = service.collections
+            app.state.shares = Shares(service)
             app.state.metrics = metrics
             app.state.sessions = set()
             app.state.streams = set()
@@ -267,6 +280,12 @@ def create_app(
         Route("/api/admin/groups", collections.admin_create_group, methods=["POST"]),
         Route("/api/admin/groups/{group_id}", collections.admin_change_group, methods=["PATCH"]),
         Route("/api/admin/groups/{group_id}", collections.admin_delete_group, methods=["DELETE"]),
+        # share links and exports (PROTOCOL §15)
+        Route("/api/chats/{chat_id}/share", shares.share, methods=["POST"]),
+        Route("/api/chats/{chat_id}/share", shares.unshare, methods=["DELETE"]),
+        Route("/api/chats/{chat_id}/export", shares.export, methods=["GET"]),
+        Route("/api/shares", shares.list_shares, methods=["GET"]),
+        Route("/s/{share_id}", shares.shared, methods=["GET"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),

@@ -27,6 +27,7 @@ from .records import (
     FileRecord,
     GroupRecord,
     Saved,
+    ShareRecord,
     StoredChunk,
     StoredMessage,
     StoredResponse,
@@ -396,6 +397,27 @@ class Store(abc.ABC):
     async def invite_usable(self, code_hash: str) -> bool:
         """Whether an invite code (by its hash) exists, is not spent and has not expired
         (a look before a sign-up's costly work; `add_account` is what spends it)."""
+
+    # -- shared chats ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def put_share(self, share: ShareRecord) -> ShareRecord:
+        """Share a chat, or refresh its share: a chat has one share, so a chat shared
+        already keeps its share's id and `created_at`, and takes the title, display
+        name, snapshot and `updated_at` of `share`. Returns the share as stored."""
+
+    @abc.abstractmethod
+    async def get_share(self, share_id: str) -> ShareRecord | None:
+        """A share with its snapshot."""
+
+    @abc.abstractmethod
+    async def list_shares(self, user_id: str) -> list[ShareRecord]:
+        """The user's shares without their snapshots, the latest shared first."""
+
+    @abc.abstractmethod
+    async def delete_share(self, chat_id: str) -> bool:
+        """Take back a chat's share; False when it had none. (Deleting the chat
+        deletes its share too.)"""
 
 
 __all__ = ["Store", "bad_invite", "iso", "mapping_errors"]

@@ -292,5 +292,22 @@ class ApiKey:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ShareRecord:
+    """A shared chat (PROTOCOL §15): `id` is the random part of its link; `snapshot`
+    what the link shows (the chat, its messages and files, as the chat service took
+    them; None where a list leaves it out); `display_name` the only name of its owner
+    it shows, when the owner chose one."""
+
+    id: str
+    chat_id: str
+    user_id: str
+    title: str
+    created_at: float
+    updated_at: float
+    display_name: str | None = None
+    snapshot: dict[str, Any] | None = None
+
+
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
