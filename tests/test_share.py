@@ -374,3 +374,39 @@ async def test_the_store_keeps_one_share_per_chat_and_drops_it_with_the_chat(sto
     await store.put_share(ShareRecord("s3", "c1", "u1", "t", 4.0, 4.0, snapshot={}))
     assert await store.delete_chat("c1")
     assert await store.get_share("s3") is None and await store.list_shares("u1") == []
+
+
+def test_the_web_client_shares_copies_lists_takes_back_and_exports(server, fake_model):
+    errors: list[str] = []
+    with chromium() as launched:
+        context = launched.new_context(accept_downloads=True)
+        context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+        page = context.new_page()
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(server.url + "/")
+        page.select_option("#focus", "deepSeek")
+        page.fill("#question", "what is rust")
+        page.click("#send")
+        page.wait_for_selector(".turn[data-state=completed]", state="attached", timeout=15_000)
+        page.click("#open-share")
+        page.click("#share-create")
+        page.wait_for_selector("#share-link:not([hidden])")
+        url = page.input_value("#share-url")
+        assert re.fullmatch(re.escape(server.url) + r"/s/[A-Za-z0-9_-]{32}", url)
+        assert page.evaluate("() => navigator.clipboard.readText()") == url
+        assert "copied" in page.inner_text("#share-notice")
+        page.wait_for_selector("#share-list a")
+        assert page.get_attribute("#share-list a", "href") == url
+        with page.expect_download() as downloaded:
+            page.click("#share-dialog [data-format=md]")
+        assert downloaded.value.suggested_filename.endswith(".md")
+        with open(downloaded.value.path(), encoding="utf-8") as saved:
+            assert "## what is rust" in saved.read()
+        shared = httpx.get(url, timeout=10)
+        assert shared.status_code == 200 and "what is rust" in shared.text
+        page.click("#share-list button:text('Unshare')")
+        page.wait_for_selector("#share-list li.hint")
+        assert "no chat" in page.inner_text("#share-list")
+        assert httpx.get(url, timeout=10).status_code == 404
+        context.close()
+    assert errors == []
