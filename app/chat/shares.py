@@ -71,7 +71,7 @@ class Shares:
         await self.chats.owned_chat(chat_id, user_id)
         await self.store.delete_share(chat_id)
 
-    async def list(self, user_id: str) -> list[ShareRecord]:
+    async def of_user(self, user_id: str) -> list[ShareRecord]:
         """The user's shares, the latest shared first (without their snapshots)."""
         return await self.store.list_shares(user_id)
 

@@ -32,7 +32,7 @@ from .http import (
     json_errors,
     rate_key,
     read_form,
-    read_json,
+    read_object,
 )
 
 PROGRESS_MAX_SECONDS = 3600.0
@@ -54,10 +54,7 @@ def _id(request: Request) -> str:
 
 
 async def _body(request: Request) -> dict[str, Any]:
-    body = await read_json(request, request.app.state.settings.limits.max_body_bytes)
-    if not isinstance(body, dict):
-        raise BadRequest("request must be a JSON object")
-    return body
+    return await read_object(request)
 
 
 @json_errors

@@ -133,6 +133,19 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     return loads(b"".join(chunks))
 
 
+async def read_object(request: Request, *, optional: bool = False) -> dict[str, Any]:
+    """The JSON object of a request's body, within `limits.max_body_bytes` (400 for
+    another JSON value; see `read_json`); with `optional`, {} for a request that sends
+    no body."""
+    length = request.headers.get("content-length")
+    if optional and length in (None, "0") and "transfer-encoding" not in request.headers:
+        return {}
+    body = await read_json(request, request.app.state.settings.limits.max_body_bytes)
+    if not isinstance(body, dict):
+        raise BadRequest("request must be a JSON object")
+    return body
+
+
 async def read_form(
     request: Request, limit: int, max_files: int = MAX_FILES_PER_UPLOAD
 ) -> FormData:
@@ -220,8 +233,9 @@ class AuthMiddleware:
     """With auth on, `/api/*`, `/v1/*` and `/sources/*` need a valid credential (401
     otherwise): the request's `User` is put in the scope (`USER`, and its id as
     `user_id`). A signed sources link (`/sources/{id}?sig=…`) is its own capability and
-    needs none. With accounts, `/api/auth/*` (sign-up, sign-in, `me`, OIDC) answers
-    without a user too, and a write signed in by the session cookie — or any write to
+    needs none, and so does a share link (`/s/{shareId}`, outside these prefixes: its
+    id is the capability). With accounts, `/api/auth/*` (sign-up, sign-in, `me`, OIDC)
+    answers without a user too, and a write signed in by the session cookie — or any write to
     `/api/auth/*` — must come from the server's own origin (403 otherwise). WebSockets
     authenticate in their endpoint, where a refusal can be an error frame."""
 

@@ -5,7 +5,6 @@ link (no sign-in: the auth middleware guards only the API's prefixes)."""
 from __future__ import annotations
 
 import re
-from typing import Any
 from urllib.parse import quote
 
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from ..chat.records import iso
 from ..chat.shares import Shares
 from ..errors import BadRequest, NotFound
 from ..ids import parse_id
-from .http import client_identity, error_response, json_errors, read_json
+from .http import client_identity, error_response, json_errors, read_object
 from .share_page import PAGE_HEADERS, share_markdown, share_page, snapshot_json
 
 #: an id `secrets.token_urlsafe` makes, and nothing else
@@ -41,24 +40,12 @@ def share_url(request: Request, share_id: str) -> str:
     return f"{base}/s/{share_id}"
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    """The JSON object of a POST, or {} when it has no body."""
-    if "content-length" not in request.headers and "transfer-encoding" not in request.headers:
-        return {}
-    if request.headers.get("content-length") == "0":
-        return {}
-    body = await read_json(request, request.app.state.settings.limits.max_body_bytes)
-    if not isinstance(body, dict):
-        raise BadRequest("request must be a JSON object")
-    return body
-
-
 @json_errors
 async def share(request: Request) -> Response:
     """`POST /api/chats/{id}/share` `{"displayName"?}` → 201 `{"shareId", "url"}`."""
     shares = _shares(request)
     chat_id = parse_id(request.path_params["chat_id"], "chatId")
-    body = await _body(request)
+    body = await read_object(request, optional=True)
     user = client_identity(request, body.get("userId"))
     record = await shares.share(chat_id, user, body.get("displayName"))
     return JSONResponse(
@@ -91,7 +78,7 @@ async def list_shares(request: Request) -> Response:
                     "createdAt": iso(s.created_at),
                     "updatedAt": iso(s.updated_at),
                 }
-                for s in await shares.list(user)
+                for s in await shares.of_user(user)
             ]
         }
     )
