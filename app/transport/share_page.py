@@ -52,6 +52,7 @@ color:#1f2328;background:#fff}
 header p,.when{color:#6e7781;font-size:.9rem}
 article{border-top:1px solid #d0d7de;padding:1rem 0}
 h2{font-size:1.25rem;margin:.5rem 0}
+.answer h1,.answer h2,.answer h3{font-size:1.05rem}
 pre{overflow-x:auto;padding:.75rem;background:rgba(127,127,127,.12)}
 code{font-size:.9em}
 table{border-collapse:collapse}th,td{border:1px solid #d0d7de;padding:.25rem .5rem}
