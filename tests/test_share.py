@@ -269,14 +269,19 @@ async def test_with_accounts_a_page_names_its_owner_only_as_they_chose(settings,
 
 
 @anyio
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_a_link_taken_back_is_gone_on_the_other_process_at_once(
-    tmp_path, model_url, fake_search
+    request, backend, tmp_path, model_url, fake_search
 ):
     env = {
         "LLM_BASE_URL": model_url,
         "LLM_API_KEY": "test-key",
         "LLM_MODEL": "fake-chat",
-        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "STORE_URL": (
+            f"sqlite:///{tmp_path}/chat.db"
+            if backend == "sqlite"
+            else request.getfixturevalue("postgres_url")
+        ),
         "COLLECTIONS_URL": f"tantivy:///{tmp_path}/collections",
         "SEARCH_PROVIDER": "tavily",
         "TAVILY_API_KEY": fake_search.api_key,
