@@ -21,11 +21,13 @@ from .share_page import PAGE_HEADERS, share_markdown, share_page, snapshot_json
 SHARE_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 #: what a file name keeps of a title (ASCII; the rest goes in `filename*`)
 UNSAFE_NAME = re.compile(r"[^A-Za-z0-9 ._-]+")
-EXPORTS = {"md": "text/markdown; charset=utf-8", "json": "application/json", "html": None}
+EXPORTS = ("md", "json", "html")
+MARKDOWN = "text/markdown; charset=utf-8"
 MAX_FILE_NAME = 80
 
 
 def _shares(request: Request) -> Shares:
+    """The shares, or NotFound (as an unknown route) with `share.enabled` off."""
     if not request.app.state.settings.share.enabled:
         raise NotFound("no such route")
     shares: Shares = request.app.state.shares
@@ -103,7 +105,7 @@ async def shared(request: Request) -> Response:
     if ext == "md":
         return PlainTextResponse(
             share_markdown(snapshot),
-            media_type="text/markdown; charset=utf-8",
+            media_type=MARKDOWN,
             headers=_page_headers(request),
         )
     page = share_page(
@@ -140,7 +142,7 @@ async def export(request: Request) -> Response:
     if fmt == "json":
         return JSONResponse(snapshot_json(snapshot, owner=True), headers=headers)
     if fmt == "md":
-        return Response(share_markdown(snapshot), media_type=EXPORTS["md"], headers=headers)
+        return Response(share_markdown(snapshot), media_type=MARKDOWN, headers=headers)
     return HTMLResponse(share_page(snapshot), headers=headers)
 
 
