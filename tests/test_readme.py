@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,25 @@ RUNNABLE = ("sh", "bash", "python", "js")
 NOT_RUN = "<!-- not run: "
 #: (language, text only it holds) of each example a test below runs
 ASK, STOP, RESUME = ("sh", '"history": []'), ("sh", "/api/chat/cancel"), ("sh", "/resume?")
+REGENERATE = ("sh", '"messageId": "\'"$QUESTION"')
 WEBSOCKET, OPENAI = ("python", "websockets.connect"), ("python", "webSearch:balanced")
 COMPLETION = ("sh", "curl http://localhost:8080/v1/chat/completions")
-UPLOAD, RESPONSES = ("sh", "tee uploads.json"), ("python", "client.responses.create")
+UPLOAD, COLLECTION = ("sh", "tee uploads.json"), ("sh", "tee collection.json")
+RESPONSES = ("python", "client.responses.create")
 JAVASCRIPT = ("js", "@ai-sdk/openai")
-RUN = (ASK, STOP, RESUME, WEBSOCKET, OPENAI, COMPLETION, UPLOAD, RESPONSES, JAVASCRIPT)
+RUN = (
+    ASK,
+    STOP,
+    RESUME,
+    REGENERATE,
+    WEBSOCKET,
+    OPENAI,
+    COMPLETION,
+    UPLOAD,
+    COLLECTION,
+    RESPONSES,
+    JAVASCRIPT,
+)
 
 
 def blocks(lang: str) -> list[tuple[str, str, str]]:
@@ -104,7 +119,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-def test_the_sse_example_streams_an_answer_and_resume_replays_after_its_id(demo, tmp_path):
+def test_the_sse_example_streams_an_answer_resume_replays_it_and_regenerate_answers_again(
+    demo, tmp_path
+):
     got = events(sh(here(example(*ASK), demo), cwd=tmp_path))
     assert got[-1][1]["type"] == "messageEnd" and got[-1][1]["status"] == "completed"
     assert "usage" in got[-1][1]  # as the events' table says
@@ -115,6 +132,11 @@ def test_the_sse_example_streams_an_answer_and_resume_replays_after_its_id(demo,
     assert replayed[0][0] == f"{answer}:26"  # exactly the events after seq 25
     assert replayed[-1][1]["type"] == "messageEnd"
     assert [d for _, d in replayed] == [d for _, d in got[25:]]
+    again = events(sh(here(example(*REGENERATE), demo), cwd=tmp_path))
+    assert again[-1][1]["type"] == "messageEnd" and again[-1][1]["status"] == "completed"
+    assert again[0][1]["chatId"] == got[0][1]["chatId"]
+    assert again[-1][1]["questionMessageId"] == got[-1][1]["questionMessageId"]
+    assert again[0][1]["messageId"] != answer  # a new answer to the same question
 
 
 def test_the_cancel_example_stops_a_running_answer(demo, tmp_path):
@@ -170,6 +192,27 @@ def test_the_upload_example_answers_from_the_files(demo, tmp_path):
     sources = next(d for _, d in got if d["type"] == "sources")["data"]
     assert sources[0]["metadata"]["fileId"] == files[0]["fileId"]
     assert got[-1][1]["type"] == "messageEnd"
+
+
+def test_the_collections_example_imports_asks_shares_and_deletes(demo, tmp_path):
+    with zipfile.ZipFile(tmp_path / "handbooks.zip", "w") as archive:
+        archive.writestr("hr/leave.md", "# Leave\n\nEveryone gets thirty days of leave a year.\n")
+        archive.writestr("it/laptops.md", "# Laptops\n\nLaptops are replaced every three years.\n")
+    (tmp_path / "policy.pdf").write_bytes(make_pdf())
+    out = sh(here(example(*COLLECTION), demo), cwd=tmp_path, timeout=120)
+    collection = json.loads((tmp_path / "collection.json").read_text())["collection"]
+    assert json.loads((tmp_path / "import.json").read_text())["import"]["id"]
+    answer = events(out)
+    assert answer[-1][1]["type"] == "messageEnd" and answer[-1][1]["status"] == "completed"
+    sources = next(d for _, d in answer if d.get("type") == "sources")["data"]
+    assert sources[0]["metadata"]["collectionId"] == collection["id"]
+    gone = sh(
+        here(
+            f"curl -s -o /dev/null -w '%{{http_code}}' 'localhost:8080/api/collections/{collection['id']}?userId=7'",
+            demo,
+        )
+    )
+    assert gone == "404"  # the example's last line deleted it
 
 
 def test_the_responses_examples_answer_with_annotations_and_search_parameters(demo, tmp_path):
