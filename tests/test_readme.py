@@ -40,6 +40,7 @@ WEBSOCKET, OPENAI = ("python", "websockets.connect"), ("python", "webSearch:bala
 COMPLETION = ("sh", "curl http://localhost:8080/v1/chat/completions")
 UPLOAD, COLLECTION = ("sh", "tee uploads.json"), ("sh", "tee collection.json")
 RESPONSES = ("python", "client.responses.create")
+ADMIN, SIGN_IN, KEY = ("sh", "create-admin"), ("sh", "/api/auth/login"), ("sh", "/api/keys")
 JAVASCRIPT = ("js", "@ai-sdk/openai")
 RUN = (
     ASK,
@@ -52,6 +53,9 @@ RUN = (
     UPLOAD,
     COLLECTION,
     RESPONSES,
+    ADMIN,
+    SIGN_IN,
+    KEY,
     JAVASCRIPT,
 )
 
@@ -213,6 +217,23 @@ def test_the_collections_example_imports_asks_shares_and_deletes(demo, tmp_path)
         )
     )
     assert gone == "404"  # the example's last line deleted it
+
+
+def test_the_accounts_examples_make_the_admin_sign_in_and_make_a_key(tmp_path):
+    store = f"sqlite:///{tmp_path}/accounts.db"
+    # the example's first line asks for the password on a terminal: its scripted one runs
+    scripted = next(line for line in example(*ADMIN).splitlines() if "printf" in line)
+    python = scripted.replace("python -m", f"{sys.executable} -m")
+    sh(f"export STORE_URL={store} ADMIN_PASSWORD='a long passphrase'; {python}", cwd=ROOT)
+    env = {"STORE_URL": store, "AUTH_MODE": "accounts", "LLM_BASE_URL": "demo://?pace=0.01"}
+    server = AppProcess(env, args=("--demo",)).start()
+    try:
+        signed_in = sh(here(example(*SIGN_IN), server), cwd=tmp_path)
+        key = json.loads(sh(here(example(*KEY), server), cwd=tmp_path))
+    finally:
+        server.stop()
+    assert '"email":"ada@example.com"' in signed_in and '"role":"admin"' in signed_in
+    assert key["name"] == "laptop" and key["key"].startswith("sck_")
 
 
 def test_the_responses_examples_answer_with_annotations_and_search_parameters(demo, tmp_path):
