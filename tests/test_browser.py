@@ -589,13 +589,14 @@ def test_half_written_markdown_is_hidden_while_streaming_and_sentences_end_once(
     got = page.evaluate(
         """async () => {
             const turn = await import("/static/turn.js");
+            const net = await import("/static/net.js");
             return [
                 turn.streamed("Hello **Demo"),
                 turn.streamed("Hello **Demo** and `co"),
                 turn.streamed("2 * 3 is *six"),
                 turn.streamed("```py\\nx = 2 **"),
-                turn.sentence("its address does not resolve — is this server offline?"),
-                turn.sentence("no key"),
+                net.sentence("its address does not resolve — is this server offline?"),
+                net.sentence("no key"),
             ];
         }"""
     )

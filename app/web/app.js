@@ -11,13 +11,14 @@ import {
   postJson,
   randomId,
   readSse,
+  sentence,
   setKey,
   Socket,
   upload,
   withUser,
   withUserBody,
 } from "./net.js";
-import { button, fileChip, searchFix, sentence, site, TurnView } from "./turn.js";
+import { button, fileChip, searchFix, site, TurnView } from "./turn.js";
 import { nextAfterSignIn, showAccount, showKeys, showSignIn, signInAgain, whoAmI } from "./account.js";
 
 const $ = (selector) => document.querySelector(selector);

@@ -1,7 +1,7 @@
 // One question and its answer on the page: steps, sources, reasoning, the answer as
 // sanitised Markdown with [N] citations, its status, actions, media and follow-ups.
 
-import { auth, explain } from "./net.js";
+import { auth, explain, sentence } from "./net.js";
 
 /** What the page knows of the server (from /api/config). */
 export const site = { searchProvider: "" };
@@ -438,13 +438,6 @@ export function searchFix(said) {
   if (/not installed/i.test(reason)) return "To fix it, install the keyless search (.venv/bin/pip install ddgs) or set TAVILY_API_KEY, and restart the server.";
   if (/ddgs|keyless|duckduckgo|offline/i.test(reason)) return "To get sources, set a search key (TAVILY_API_KEY), point the server at a SearxNG instance (SEARXNG_URL), or untick “Search the web” to ask the model alone.";
   return "To fix it, configure a search provider ([search] in config.toml) and restart the server.";
-}
-
-/** `text` as a sentence: with a full stop, unless it ends with its own (a server's
- * "…is this server offline?" keeps its question mark). */
-export function sentence(text) {
-  const said = String(text).trim();
-  return /[.!?…]$/.test(said) ? said : `${said}.`;
 }
 
 /** An answer still streaming, as it can be shown: a marker whose closing half has not
