@@ -22,8 +22,8 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from . import config, logs
-from .demo import is_demo
 from .main import create_app, tune_gc
+from .model import is_demo
 from .serving import uvicorn_config
 
 #: what `--demo` sets in the environment (the workers read it too); a search

@@ -1,4 +1,6 @@
-"""Snowflake ids: 41 bits of milliseconds, 10 bits of worker, 12 bits of sequence.
+"""Ids: those a request names (`parse_id`), and the ones the server makes.
+
+Snowflake ids: 41 bits of milliseconds, 10 bits of worker, 12 bits of sequence.
 
 Ids are 64-bit integers, ordered by time, written as decimal strings (JavaScript
 cannot hold them as numbers). They are unique across every process and host of
@@ -13,18 +15,40 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import secrets
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
-from .errors import AppError, Unavailable
-from .store import Store
+from .errors import AppError, BadRequest, Unavailable
+
+if TYPE_CHECKING:
+    from .store import Store
 
 log = logging.getLogger("app.ids")
 
 EPOCH_MS = 1_288_834_974_657  # the Twitter epoch, as the original used
 WORKERS = 1024  # 10 bits
 LEASE_MARGIN = 0.9  # a lease is trusted for this share of its time
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def parse_id(value: Any, name: str) -> str:
+    """An opaque id (PROTOCOL §1): 1–64 characters of `[A-Za-z0-9_-]`; a JSON integer
+    is taken as its decimal string. Anything else is `BadRequest`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    raise BadRequest(f"{name} must be an id of 1 to 64 letters, digits, '_' or '-'")
+
+
+def is_number(text: str, max_digits: int = 18) -> bool:
+    """Whether `text` is a whole number in ASCII digits (`str.isdigit` takes "²" and
+    other digits `int()` refuses), of at most `max_digits` digits."""
+    return len(text) <= max_digits and _DIGITS.fullmatch(text) is not None
 
 
 class Snowflake:

@@ -22,14 +22,13 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
-from . import api, config, logs
+from . import config, logs
 from .auth import RateLimiter
 from .chat.service import ChatService
-from .collections.base import open_engine
+from .collections import open_engine
 from .collections.retrieval import Retriever
 from .collections.service import CollectionService
 from .config import Settings, auth_mode
-from .demo import DemoModel, is_demo
 from .errors import AppError, BadRequest, NotFound
 from .files.service import FileService
 from .identity.accounts import Accounts
@@ -40,14 +39,14 @@ from .identity.resolver import Identity
 from .identity.throttle import SignInThrottle
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
-from .llm import ChatModel, Embedder, LLMClient
 from .logs import AccessLog
 from .metrics import Metrics
+from .model import ChatModel, DemoModel, Embedder, LLMClient, is_demo
 from .prompts import Prompts
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import close_redis, open_hub, open_redis
-from .transport import auth_routes, collections, openai, perplexica, responses, sse, ws
+from .transport import api, auth_routes, collections, openai, perplexica, responses, sse, usage, ws
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
@@ -221,7 +220,7 @@ def create_app(
         Route("/api/config", api.config, methods=["GET"]),
         Route("/api/config", perplexica.save_config, methods=["POST"]),
         Route("/api/suggestions", api.suggestions, methods=["POST"]),
-        Route("/api/usage", api.usage, methods=["GET"]),
+        Route("/api/usage", usage.usage, methods=["GET"]),
         Route("/api/uploads", api.upload, methods=["POST"]),
         Route("/api/uploads", api.list_uploads, methods=["GET"]),
         Route("/api/uploads/{file_id}", api.get_upload, methods=["GET"]),

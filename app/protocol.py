@@ -20,11 +20,11 @@ import orjson
 
 from .errors import AppError, BadRequest
 from .events import FOCUS_MODES, Event, Handle
-from .search.base import CONTEXT_SIZES, RECENCY, SearchFilters
+from .ids import is_number, parse_id
+from .results import CONTEXT_SIZES, RECENCY, SearchFilters
 
 OPTIMIZATION_MODES = ("speed", "balanced", "quality")
 FORMATS = ("default", "simple")
-_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_FILES = 50
 MAX_COLLECTIONS = 20
 #: history roles → the model's roles (PROTOCOL §1)
@@ -98,16 +98,6 @@ def _depth(value: Any) -> int:
                 nxt.extend(item)
         level = nxt
     return depth - 1
-
-
-def parse_id(value: Any, name: str) -> str:
-    """An opaque id (PROTOCOL §1): 1–64 characters of `[A-Za-z0-9_-]`; a JSON integer
-    is taken as its decimal string. Anything else is `BadRequest`."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return str(value)
-    if isinstance(value, str) and _ID.fullmatch(value):
-        return value
-    raise BadRequest(f"{name} must be an id of 1 to 64 letters, digits, '_' or '-'")
 
 
 def parse_chat_request(
@@ -333,15 +323,6 @@ def parse_event_id(value: str | None) -> tuple[str | None, int]:
     if not sep or not is_number(seq, 12):
         raise BadRequest("Last-Event-ID must look like '<messageId>:<seq>'")
     return parse_id(answer_id, "Last-Event-ID messageId"), int(seq)
-
-
-_DIGITS = re.compile(r"[0-9]+")
-
-
-def is_number(text: str, max_digits: int = 18) -> bool:
-    """Whether `text` is a whole number in ASCII digits (`str.isdigit` takes "²" and
-    other digits `int()` refuses), of at most `max_digits` digits."""
-    return len(text) <= max_digits and _DIGITS.fullmatch(text) is not None
 
 
 # -- events ---------------------------------------------------------------------

@@ -55,9 +55,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.collections.base import Engine, Hit, Passage, open_engine, terms
+from app.collections import open_engine
+from app.collections.base import Engine, Hit, Passage
 from app.collections.retrieval import fuse
-from app.files.extract import chunk_pages
+from app.extract import chunk_pages
+from app.scoring import terms
 from bench.corpus import Document, Question, generate, with_distractors
 from bench.load import mixed_load, percentile
 from bench.run import app_server, fast_model

@@ -28,13 +28,13 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from app.collections.base import open_engine
+from app.collections import open_engine
 from app.collections.retrieval import Retriever
 from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
-from app.files.index import top, unit_rows
 from app.files.service import FileService
 from app.ids import Snowflake
-from app.llm import Embedder
+from app.model import Embedder
+from app.scoring import top, unit_rows
 from app.store import FileRecord, StoredChunk, open_store
 from bench.load import mixed_load, percentile
 from bench.run import app_server, fast_model

@@ -27,6 +27,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# a real model for the tests marked real_model: llama-cpp-python's server and Gemma 3 270M,
+# built once into ~/.cache/searchchat/real-model (several minutes the first time)
+bash scripts/real_model.sh >/dev/null
+
 .venv/bin/ruff check app tests bench
 .venv/bin/ruff format --check --quiet app tests bench
 .venv/bin/mypy

@@ -451,7 +451,7 @@ async def test_steps_cut_off_by_the_budget_end_as_failed(settings, fake_model, f
 
 
 async def test_a_failing_passage_search_ends_its_step_and_is_logged(settings, caplog):
-    from app.chat.agent import Research, Researcher, Steps
+    from app.chat.tools import Research, Steps, passages
     from app.errors import AppError
     from app.search.web import until_deadline
 
@@ -469,13 +469,12 @@ async def test_a_failing_passage_search_ends_its_step_and_is_logged(settings, ca
         raise AppError("the collection engine is away")
 
     out = Recording()
-    researcher = Researcher(settings, llm=None, prompts=None, web=None, files=None)
     loop = asyncio.get_running_loop()
     job = Research("q", Steps(out), ("web",), None, (), None, loop.time() + 5)
     told = await until_deadline(
         [
-            researcher._passages(job, "collection", "collections", "q", broken),
-            researcher._passages(job, "files", "your files", "q", refused),
+            passages(job, "collection", "collections", "q", broken),
+            passages(job, "files", "your files", "q", refused),
         ],
         loop.time() + 5,
     )

@@ -19,9 +19,11 @@ import bm25s
 import numpy as np
 import pytest
 
-from app.collections.base import Engine, Passage, open_engine, terms
+from app.collections import open_engine
+from app.collections.base import Engine, Passage
 from app.collections.retrieval import reembed
-from app.files.extract import chunk_pages
+from app.extract import chunk_pages
+from app.scoring import terms
 from bench.corpus import generate
 from tests.servers import free_port, wait_for_port
 
@@ -186,9 +188,9 @@ async def test_bm25_ranks_as_the_reference_implementation_does(engine: Engine):
 async def test_a_large_space_finds_the_nearest_through_its_bits(tmp_path, monkeypatch):
     """Past `QUANTIZE_ROWS` passages the embedded engine takes candidates by the signs of
     the vectors and rescores them exactly: the same ten nearest as brute force."""
-    from app.collections import tantivy_engine
+    from app.collections import vectors as memory
 
-    monkeypatch.setattr(tantivy_engine, "QUANTIZE_ROWS", 1000)
+    monkeypatch.setattr(memory, "QUANTIZE_ROWS", 1000)
     rng = np.random.default_rng(1)
     centers = rng.standard_normal((40, 128)).astype(np.float32)
     vectors = centers[rng.integers(0, 40, 3000)] + 0.6 * rng.standard_normal((3000, 128))
@@ -235,7 +237,7 @@ async def test_searches_find_every_passage_while_a_space_is_reembedded(tmp_path)
     """Re-embedding swaps the vectors in at once: a search meanwhile never meets a
     space emptied for rewriting."""
     from app.config import EmbeddingsSettings
-    from app.llm import Embedder
+    from app.model import Embedder
 
     async with open_engine(f"tantivy:///{tmp_path}/r") as engine:
         many = [passage(f"d{i:03d}", f"harbour report {i}") for i in range(200)]

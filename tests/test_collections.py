@@ -560,7 +560,7 @@ def embedding(fake_model) -> bool:
 
 async def engine_passages(settings, space):
     """What the engine holds of a space, read after the server stopped."""
-    from app.collections.base import open_engine
+    from app.collections import open_engine
 
     async with open_engine(settings.collections.url) as engine:
         return await engine.passages(space), await engine.spaces()
@@ -570,7 +570,7 @@ async def idle(service, timeout=30.0):
     """Until the service has no import running (its sweeper aside)."""
 
     async def quiet():
-        return len(service._chores) <= 1
+        return len(service.imports._chores) <= 1
 
     await wait_for(quiet, timeout=timeout)
 
@@ -624,7 +624,7 @@ async def test_an_unexpected_error_fails_the_batch_and_takes_its_passages_back(
 ):
     """Not only our own errors: anything a batch meets ends its documents `failed`
     (with why), never `indexing` for ever, and leaves nothing of them in the engine."""
-    import app.collections.service as collections_service
+    import app.collections.imports as collections_imports
 
     def broken_chunks(*_args, **_kwargs):
         raise ValueError("a bug in chunking")
@@ -634,7 +634,7 @@ async def test_an_unexpected_error_fails_the_batch_and_takes_its_passages_back(
         service = app.state.collections
         async with httpx.AsyncClient(base_url=server.url, timeout=60, event_hooks=USER) as h:
             cid = (await create(h))["id"]
-            monkeypatch.setattr(collections_service, "chunk_pages", broken_chunks)
+            monkeypatch.setattr(collections_imports, "chunk_pages", broken_chunks)
             answer = await h.post(
                 f"/api/collections/{cid}/documents", json={"urls": ["https://example.com/pages/1"]}
             )
@@ -912,11 +912,11 @@ async def test_imported_files_wait_on_disk_and_are_gone_once_indexed(settings, f
                 f"/api/collections/{cid}/documents",
                 files=[("files", (n, d)) for n, d in files.items()],
             )
-            spooled = list(service._spool.iterdir())
+            spooled = list(service.imports._spool.iterdir())
             assert 0 < len(spooled) <= 40  # the second batch's files wait on disk
             await finished(h, cid, answer.json()["import"]["id"])
             await idle(service)
-            assert list(service._spool.iterdir()) == []
+            assert list(service.imports._spool.iterdir()) == []
 
 
 async def test_ownership_is_checked_before_the_body_is_read(server):
@@ -963,10 +963,10 @@ async def test_failed_documents_do_not_count_against_the_collection_limit(settin
 async def test_several_collections_are_ranked_by_score_not_each_by_its_own_rank(tmp_path):
     """A collection with nothing relevant ranks its best weak match first among its
     own; merged by BM25 score it does not sit beside another's best answer."""
-    from app.collections.base import open_engine
+    from app.collections import open_engine
     from app.collections.retrieval import Retriever
     from app.config import CollectionSettings, EmbeddingsSettings
-    from app.llm import Embedder
+    from app.model import Embedder
 
     def passage(document, text):
         return Passage(document, 0, 0, document, "File", text)

@@ -695,7 +695,7 @@ async def test_a_resume_of_an_answer_this_process_keeps_does_not_read_its_log(
 async def test_every_sse_stream_says_retry_and_a_resume_past_the_end_is_204(client, fake_model):
     async with client.stream("POST", "/api/chat/sse", json=chat_body("q", chatId="e1")) as r:
         first = await r.aread()
-    assert first.startswith(b"retry: 2000\n\n")
+    assert first.startswith(b"retry: 2000\nid: ")  # no block without data
     ids = [line[4:] for line in first.decode().splitlines() if line.startswith("id: ")]
     ended = await client.get(
         "/api/chat/sse/resume", params={"chatId": "e1"}, headers={"last-event-id": ids[-1]}
@@ -787,7 +787,7 @@ async def test_a_bug_in_any_route_still_answers_in_its_protocols_shape(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("app.api.choose_provider", broken)
+    monkeypatch.setattr("app.transport.api.choose_provider", broken)
     monkeypatch.setattr("app.transport.openai.model_ids", broken)
     with serve(create_app(settings)) as running:
         async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
@@ -870,6 +870,10 @@ class Recorded(logging.Handler):
 
 
 def test_a_middleware_marked_stream_safe_is_taken(settings):
+    """The server starts (its lifespan, where the refusal is, runs) and answers
+    through the middleware."""
+    seen: list[str] = []
+
     class Tag:
         stream_safe = True
 
@@ -877,11 +881,15 @@ def test_a_middleware_marked_stream_safe_is_taken(settings):
             self.app = app
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                seen.append(scope["path"])
             await self.app(scope, receive, send)
 
     app = create_app(settings)
     app.add_middleware(Tag)
-    app.build_middleware_stack()
+    with serve(app) as server:
+        assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+    assert seen == ["/healthz"]
 
 
 async def test_an_unknown_route_answers_in_its_protocols_shape(client):

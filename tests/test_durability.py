@@ -833,12 +833,13 @@ async def test_a_collection_document_left_indexing_by_a_dead_process_is_failed_a
 ):
     """A process killed between putting a batch's passages in the engine and marking
     them ready: the sweep fails its documents and takes their passages back."""
-    from app.collections.base import Passage, open_engine
+    from app.collections import open_engine
+    from app.collections.base import Passage
     from app.collections.retrieval import Retriever
     from app.collections.service import CollectionService
     from app.config import CollectionSettings, EmbeddingsSettings, UploadSettings
     from app.ids import Snowflake
-    from app.llm import Embedder
+    from app.model import Embedder
 
     store = open_store(f"sqlite:///{tmp_path}/documents.db")
     engine = open_engine(f"tantivy:///{tmp_path}/engine")

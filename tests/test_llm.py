@@ -1,4 +1,4 @@
-"""The model client's stream: read by the small streaming client (`app.upstream`)
+"""The model client's stream: read by the small streaming client (`app.model.upstream`)
 for direct connections, with the SDK's headers, errors, timeouts and keep-alive;
 through the SDK when a proxy is configured."""
 
@@ -13,11 +13,13 @@ from collections.abc import Callable
 import openai
 import pytest
 
-import app.llm
+import app.model.client
 from app.config import LLMSettings
 from app.errors import ModelError, StreamError
-from app.llm import LLMClient, body_reader, refuses_tools
-from app.upstream import StreamedResponse, StreamingClient
+from app.model import LLMClient
+from app.model.client import body_reader
+from app.model.errors import refuses_tools
+from app.model.upstream import StreamedResponse, StreamingClient
 from tests.client import wait_for
 from tests.test_first_minutes import closed_port
 from tests.test_first_minutes import silent_port as silent_port  # a fixture
@@ -57,7 +59,7 @@ async def test_the_stream_is_read_by_the_streaming_client_and_gives_what_the_sdk
         readers.append(reader)
         return reader
 
-    monkeypatch.setattr(app.llm, "body_reader", recording)
+    monkeypatch.setattr(app.model.client, "body_reader", recording)
     fast = await deltas(client)
     assert isinstance(readers[0], StreamedResponse)
     # the SDK's path (a proxy's), read as before: the same deltas

@@ -10,21 +10,24 @@ import json
 import os
 import subprocess
 
+from app.main import create_app
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import ROOT, npm_packages
+from tests.servers import ROOT, npm_packages, serve
 
 ANSWER = "Raptor burns methane [4] with oxygen [1]."
 
 
-def run_clients(base_url: str) -> dict:
+def run_clients(
+    base_url: str, script: str = "clients.mjs", question: str = RELEVANT_QUESTION
+) -> dict:
     env = {
         **os.environ,
         "NODE_CLIENTS_HOME": npm_packages("node_clients.sh"),
         "BASE_URL": base_url,
-        "QUESTION": RELEVANT_QUESTION,
+        "QUESTION": question,
     }
     done = subprocess.run(
-        ["node", str(ROOT / "tests" / "node_clients" / "clients.mjs")],
+        ["node", str(ROOT / "tests" / "node_clients" / script)],
         env=env,
         capture_output=True,
         text=True,
@@ -71,3 +74,24 @@ def test_the_node_clients_get_answers_sources_reasoning_and_usage(server, fake_m
     parts = got["vercelStream"]["parts"]
     assert "error" not in parts and parts[-1] == "finish"
     assert parts.index("reasoning-start") < parts.index("text-start")
+
+
+def test_fetch_event_source_gets_no_message_without_data_in_an_answer_and_a_resume(
+    settings, fake_model
+):
+    """`@microsoft/fetch-event-source` hands every blank-line-ended block to `onmessage`,
+    where clients `JSON.parse` the data: `retry:` and the pings mid-answer must not reach it."""
+    quick_pings = settings.replace(server={"keepalive_seconds": 0.1})
+    with serve(create_app(quick_pings)) as server:
+        got = run_clients(server.url, "fetch_event_source.mjs", "slow #tokens=4 #delay=0.3")
+    answer, resume = got["answer"], got["resume"]
+    assert answer["status"] == 200 and answer["errors"] == []
+    types = [event["type"] for event in answer["events"]]
+    assert types[-1] == "messageEnd" and types.count("messageEnd") == 1
+    text = "".join(e["data"] for e in answer["events"] if e["type"] == "message")
+    assert text == "tok0 tok1 tok2 tok3 "
+    seqs = [int(i.rsplit(":", 1)[1]) for i in answer["ids"]]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert resume["status"] == 200 and resume["errors"] == []
+    assert resume["events"] == answer["events"][2:]
+    assert resume["ids"] == answer["ids"][2:]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from app.errors import BadRequest
+from app.ids import parse_id
 from app.protocol import (
     Event,
     loads,
     parse_chat_request,
     parse_control,
     parse_event_id,
-    parse_id,
     render_default,
     render_simple,
 )

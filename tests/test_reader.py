@@ -8,7 +8,8 @@ import pytest
 
 from app.config import ReaderSettings
 from app.errors import SearchError
-from app.search.reader import BuiltinReader, address_allowed, extract_main_text
+from app.extract import extract_main_text
+from app.search.reader import BuiltinReader, address_allowed
 from tests.fakes.search import FakeSearch
 from tests.servers import serve
 

@@ -1,11 +1,12 @@
-"""The Redis hub's parts on their own: the journal's bookkeeping (no I/O), and the
-claims against a real Redis and a real three-master Redis Cluster."""
+"""The Redis hub's parts on their own: the journal's and the heartbeat's bookkeeping
+(no I/O), and the claims against a real Redis and a real three-master Redis Cluster."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import SSLConnection
@@ -14,7 +15,8 @@ from redis.exceptions import RedisError
 from app.events import Event, Handle
 from app.streams import close_redis, open_redis
 from app.streams import rediskeys as keys
-from app.streams.base import GenerationLog
+from app.streams.base import GenerationLog, Running
+from app.streams.beat import Beat, Heartbeat
 from app.streams.claims import CLAIMED, RECOVERING, TAKEN, Claims
 from app.streams.connect import BLOCKING_CONNECTIONS, blocking_client, cluster_client, shed_idle
 from app.streams.follower import follow
@@ -113,6 +115,60 @@ def test_an_end_is_written_to_its_log_with_the_replay_expiry():
     plan = journal.plan(now=0.1, only="a")
     assert plan is not None and plan.logs[0].expire == "replay"
     assert [e.seq for e in plan.logs[0].events] == [1, 2] and not plan.journal
+
+
+HEART = Heartbeat("p1", False, handle_ttl_ms=4000, proc_ttl_ms=8000, keep_ms=60_000, refresh=1.0)
+
+
+def running(*answers: str) -> list[Running]:
+    return [Running(Handle("c" + a, a, "q", "u", "q?"), lambda: None, "u") for a in answers]
+
+
+def beat_at_10(
+    running: list[Running], extended: dict[str, float], heart: Heartbeat = HEART, **hub: Any
+) -> Beat:
+    """The beat at monotonic time 10, of a hub that (unless `hub` says otherwise) does
+    not doubt Redis and read every flag before."""
+    knows = {"doubtful": False, "flags_unread": False, "fresh": (), **hub}
+    return heart.plan(running, extended, now=10.0, wall_ms=0, **knows)
+
+
+def test_a_beat_reads_the_claims_a_quarter_of_their_ttl_old_and_the_new_answers_flags():
+    a, b = running("a", "b")
+    beat = beat_at_10([a, b], {"a": 9.5, "b": 8.0}, fresh={"a"})
+    assert beat.due == [b] and beat.flags == [a]
+    assert [name for name, _, _ in beat.commands()] == [
+        "set",
+        "pexpire",
+        "getex",
+        "get",
+        "zadd",
+        "pexpire",
+    ]
+    claim = keys.dump_handle(b.handle)
+    heard = beat.read([b"1", 1, claim, b"1", 1, 1])
+    assert not heard.lost_data and heard.missing == [] and heard.kept == [1]
+    assert heard.cancelled == [a]
+    heard = beat.read([b"1", 1, None, None, 1, 1])
+    assert heard.missing == [b] and heard.cancelled == []
+    assert beat.read([b"1", 1, b"another", None, 1, 1]).kept == [0]
+
+
+def test_a_beat_that_doubts_redis_reads_every_claim_and_a_lost_key_means_all_are_gone():
+    a, b = running("a", "b")
+    beat = beat_at_10([a, b], {"a": 9.5, "b": 9.5}, doubtful=True, flags_unread=True)
+    assert beat.due == [a, b] and beat.flags == [a, b]
+    heard = beat.read([None, 0, None, None, None, b"1", 2, 1])
+    assert heard.lost_data and heard.missing == [a, b] and heard.cancelled == [b]
+
+
+def test_a_beat_on_a_cluster_finds_a_claim_whose_handle_its_node_lost():
+    (a,) = running("a")
+    heart = Heartbeat("p1", True, handle_ttl_ms=4000, proc_ttl_ms=8000, keep_ms=1, refresh=0.0)
+    beat = beat_at_10([a], {}, heart)
+    assert [name for name, _, _ in beat.commands()][2:4] == ["getex", "exists"]
+    heard = beat.read([b"1", 1, keys.dump_handle(a.handle), 0, 1, 1])
+    assert heard.lost == [a] and heard.missing == []
 
 
 @pytest.fixture(params=["redis", "cluster"])

@@ -14,8 +14,8 @@ import pytest
 from httpx_ws import aconnect_ws
 
 from app.errors import StreamError
-from app.llm import decode_embeddings
 from app.main import create_app
+from app.model.embeddings import decode_embeddings
 from tests.client import chat_body, sse_chat
 from tests.conftest import USER
 from tests.fakes.model import as_base64

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from app.main import create_app
-from app.search.base import SearchFilters
+from app.results import SearchFilters
 from tests.client import chat_body, sse_chat
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.servers import serve

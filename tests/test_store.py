@@ -463,3 +463,31 @@ async def test_documents_past_the_limit_are_refused_in_the_transaction_that_adds
         ("k1", d.id) for batch in stored for d in batch if d.status == "indexing" and d != ready
     )
     assert await store.fail_orphaned_documents("lost", time.time() + 60) == []
+
+
+async def test_what_belongs_to_a_deleted_row_goes_with_it(store):
+    """Chunks and attachments go with their file, attachments with their chat, a
+    collection's shares with the group shared with (ON DELETE CASCADE on both backends)."""
+    from app.store import CollectionRecord, FileRecord, GroupRecord, StoredChunk
+
+    await ask(store, "c1", "q1", "a1", 100.0)
+    await ask(store, "c2", "q2", "a2", 101.0)
+    for file_id in ("f1", "f2"):
+        record = FileRecord(file_id, "u7", "a.txt", "txt", 3, 100.0, "ready", 1, 1, "")
+        await store.add_file(record)
+        await store.finish_file(record, [StoredChunk(0, 1, "abc", None)])
+    await store.attach_files("c1", ["f1", "f2"])
+    await store.attach_files("c2", ["f1"])
+    assert await store.delete_file("f1")
+    assert await store.file_chunks("f1") == []
+    assert [f.id for f in (await store.chat_files(["c1", "c2"]))["c1"]] == ["f2"]
+    assert await store.delete_chat("c1")
+    assert await store.chat_files(["c1", "c2"]) == {}
+    assert [c.text for c in await store.file_chunks("f2")] == ["abc"]  # the file stays
+
+    await store.add_group(GroupRecord("g1", "team", 1.0, ("u2",)))
+    await store.add_collection(CollectionRecord("k1", "u1", "Docs", "", 2.0, groups=("g1",)))
+    assert [c.id for c in await store.list_collections("u2")] == ["k1"]
+    assert await store.delete_group("g1")
+    assert (await store.get_collection("k1")).groups == ()
+    assert await store.list_collections("u2") == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.llm import ThinkSplitter, split_think, strip_think
+from app.model.wire import ThinkSplitter, split_think, strip_think
 
 TEXT = "<think>Let me <b>think</b>.</think>The answer is <3 and </think> stays."
 

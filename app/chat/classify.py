@@ -22,7 +22,7 @@ from typing import Any
 import json_repair
 
 from ..errors import AppError
-from ..llm import ChatModel
+from ..model import ChatModel
 from ..prompts import Prompts
 from ..protocol import SOURCE_KINDS
 from .history import format_history

@@ -26,11 +26,11 @@ from ..config import Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
-from ..llm import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..metrics import Metrics
+from ..model import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
 from ..prompts import Prompts
 from ..protocol import ChatRequest
-from ..search.base import SearchResult
+from ..results import SearchResult
 from ..search.web import (
     CONTEXT_CHARS_PER_SOURCE,
     SNIPPET_CHARS,
@@ -41,11 +41,12 @@ from ..search.web import (
 )
 from ..store import Checkpoint, FileRecord, Saved, Store, Usage
 from ..streams import LogWriter, StreamHub
-from .agent import Researcher, context_tokens, source_key
+from .agent import Researcher, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import AnswerKeeper, Progress, steps_of
 from .modes import MODES, PLAIN_PROMPT, WebSources
+from .tools import source_key
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")

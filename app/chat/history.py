@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from ..errors import AppError
-from ..llm import ChatModel
+from ..model import ChatModel
 from ..prompts import Prompts, answer_lines
 from ..store import Store
 

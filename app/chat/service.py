@@ -9,7 +9,9 @@ feeds. A generation survives its clients: only `cancel()` (from any process)
 or the deadline stops it, and it always saves what it has and ends with
 exactly one terminal event (`messageEnd` or `error`).
 
-Every operation on a chat goes through `authorize(owner, user)`.
+Every operation on a chat goes through `authorize(owner, user)` (`app.ownership`):
+only a chat's owner may read, delete, cancel, resume it, open its sources,
+regenerate in it or post into it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, Not
 from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
-from ..llm import ChatModel
 from ..metrics import Metrics
+from ..model import ChatModel
+from ..ownership import authorize
 from ..prompts import Prompts
 from ..protocol import ChatRequest, Encoder, parse_event_id
 from ..search.web import WebSearch
@@ -145,7 +148,7 @@ class ChatService:
         question_id = request.message_id or self.ids.next_str()
         chat = await self.store.get_chat(chat_id) if request.chat_id else None
         if chat is not None:
-            self.authorize(chat.user_id, request.user_id)
+            authorize(chat.user_id, request.user_id)
         asked = await self.store.get_message(question_id) if request.message_id else None
         if asked is not None and (asked.chat_id != chat_id or asked.role != "user"):
             raise Conflict("message.messageId is used in another chat")
@@ -269,7 +272,7 @@ class ChatService:
             raise NotFound(
                 "no generation to resume for this chat (finished and expired, or never started)"
             )
-        self.authorize(handle.user_id, user_id)
+        authorize(handle.user_id, user_id)
         self.metrics.resumes.inc()
         return handle, seq
 
@@ -293,7 +296,7 @@ class ChatService:
         handle = await self.hub.lookup(chat_id)
         if handle is None:
             raise NotFound("nothing is being generated for this chat")
-        self.authorize(handle.user_id, user_id)
+        authorize(handle.user_id, user_id)
         await self.hub.cancel(handle)
         self.metrics.cancels.inc()
         return handle
@@ -326,14 +329,6 @@ class ChatService:
 
     # -- chats ------------------------------------------------------------------------
 
-    @staticmethod
-    def authorize(owner: str, user: str) -> None:
-        """The one ownership rule (PROTOCOL §7): only a chat's owner may act on it —
-        read, delete, cancel, resume, sources, regenerate, post into it. Forbidden
-        otherwise."""
-        if owner != user:
-            raise Forbidden("this chat belongs to another user")
-
     def sign(self, question_id: str) -> str:
         """The signature of a question's sources link: a capability to open those
         sources, and nothing else, without a key."""
@@ -357,7 +352,7 @@ class ChatService:
         chat = await self.store.get_chat(chat_id)
         if chat is None:
             raise NotFound("no such chat")
-        self.authorize(chat.user_id, user_id)
+        authorize(chat.user_id, user_id)
         return chat
 
     async def open_chat(
@@ -391,7 +386,7 @@ class ChatService:
             chat = await self.store.get_chat(message.chat_id)
             if chat is None:
                 raise NotFound("no such question")
-            self.authorize(chat.user_id, user_id)
+            authorize(chat.user_id, user_id)
         return message
 
     async def chat_history(self, chat_id: str, user_id: str) -> list[tuple[str, str]]:

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 
 from .. import config
-from ..llm import Embedder
-from .base import open_engine
+from ..model import Embedder
+from . import open_engine
 from .retrieval import reembed
 
 

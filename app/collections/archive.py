@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from ..errors import BadRequest
-from ..files.extract import kind_of
+from ..extract import kind_of
 
 MAX_RATIO = 200
 #: a zip of less than this unpacked is never a bomb, whatever its ratio

@@ -3,8 +3,9 @@
 A *space* is one collection's index (named by the collection's id): BM25 statistics
 (document frequencies, average length) are those of the whole space, so a term that
 is rare in the collection weighs more than a common one, whichever document it is in.
-Engines are chosen by URL (`open_engine`) and hide behind this one interface; the
-collection service (`service.py`) fuses their two rankings and owns everything else.
+Engines are chosen by URL (`open_engine`, in the package) and hide behind this one
+interface; the retrieval path (`retrieval.py`) fuses their two rankings, and the
+collection service (`service.py`) owns everything else.
 
 Every method may block on disk or network, so engines run their work in threads
 (`asyncio.to_thread`): the event loop, and the streams it serves, never wait on an
@@ -14,23 +15,12 @@ index. Errors of an engine's driver leave it as `EngineError` (503 to a client).
 from __future__ import annotations
 
 import abc
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import Unavailable
-
-#: what BM25 counts as a term: runs of letters and digits, lower-cased (the tokeniser of
-#: the embedded engine, and of the bench's reference BM25)
-TERM = re.compile(r"[^\W_]+")
-MAX_TERM_CHARS = 40
-
-
-def terms(text: str) -> list[str]:
-    """The BM25 terms of `text`, in order (repeats kept)."""
-    return [t for t in TERM.findall(text.lower()) if len(t) <= MAX_TERM_CHARS]
 
 
 class EngineError(Unavailable):
@@ -132,36 +122,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def spaces(self) -> list[str]:
         """Every space with passages in it, sorted."""
-
-
-def open_engine(url: str, *, vector_cache_bytes: int = 512 << 20) -> Engine:
-    """`tantivy:////abs/folder` (embedded, the default; it keeps at most
-    `vector_cache_bytes` of vectors in memory), `milvus:////abs/file.db` (Milvus Lite)
-    or `milvus://host:19530` (a Milvus server or cluster; `?token=…&db=…`). Drivers are
-    imported lazily. Raises ValueError for another scheme."""
-    scheme = url.partition(":")[0].lower()
-    if scheme == "tantivy":
-        from .tantivy_engine import TantivyEngine
-
-        return TantivyEngine(url, vector_cache_bytes=vector_cache_bytes)
-    if scheme in ("milvus", "milvus+https"):
-        from .milvus_engine import MilvusEngine
-
-        return MilvusEngine(url)
-    raise ValueError(
-        f"unsupported collections URL {url!r}: use tantivy:///folder, milvus:///file.db"
-        " or milvus://host:19530"
-    )
-
-
-def unit(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to length 1 (zero rows stay zero), as float32."""
-    vectors = np.asarray(vectors, dtype=np.float32)
-    if vectors.ndim == 1:
-        vectors = vectors[None, :]
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    out: np.ndarray = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
-    return out
 
 
 def url_path(url: str) -> str:

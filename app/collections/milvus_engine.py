@@ -25,7 +25,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 
-from .base import Engine, EngineError, Hit, Passage, terms, unit
+from ..scoring import BM25_B, BM25_K1, terms, unit_rows
+from .base import Engine, EngineError, Hit, Passage
 
 TEXT_CHARS = 65535
 PAGE_ROWS = 1000
@@ -143,7 +144,7 @@ class MilvusEngine(Engine):
             "sparse",
             index_type="SPARSE_INVERTED_INDEX",
             metric_type="BM25",
-            params={"bm25_k1": 1.2, "bm25_b": 0.75},
+            params={"bm25_k1": BM25_K1, "bm25_b": BM25_B},
         )
         if dims:
             schema.add_field("dense", DataType.FLOAT_VECTOR, dim=dims)
@@ -251,7 +252,7 @@ class MilvusEngine(Engine):
     ) -> list[Hit]:
         if not self._exists(space) or self._dims_of(space) != np.asarray(vector).shape[-1]:
             return []
-        return self._search(space, unit(vector)[0].tolist(), "dense", limit, documents)
+        return self._search(space, unit_rows(vector)[0].tolist(), "dense", limit, documents)
 
     async def passages(self, space: str) -> list[Passage]:
         return await asyncio.to_thread(self._passages, space)
@@ -350,7 +351,7 @@ def _rows(passages: Sequence[Passage], vectors: np.ndarray | None, dims: int) ->
         }
         if dims:
             row["dense"] = (
-                unit(vectors[i])[0].tolist()
+                unit_rows(vectors[i])[0].tolist()
                 if vectors is not None and vectors.shape[1] == dims
                 else [0.0] * dims
             )

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..config import CollectionSettings
 from ..errors import AppError
-from ..llm import Embedder
+from ..model import Embedder
 from .base import Engine, Hit
 
 log = logging.getLogger("app.collections")

@@ -27,14 +27,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tantivy
 
-from .base import Engine, EngineError, Hit, Passage, terms, unit, url_path
+from ..scoring import terms, top, unit_rows
+from .base import Engine, EngineError, Hit, Passage, url_path
+from .vectors import Vectors
 
 WRITER_HEAP_BYTES = 64 * 1024 * 1024
 WRITER_WAIT_SECONDS = 30.0
@@ -55,7 +56,6 @@ CREATE TABLE IF NOT EXISTS versions (space TEXT PRIMARY KEY, version INTEGER NOT
 #: `removed` moves on with a write that took rows away or changed vectors: a cached
 #: matrix can then not be brought up to date by appending the rows added since
 ADD_REMOVED = "ALTER TABLE versions ADD COLUMN removed INTEGER NOT NULL DEFAULT 0"
-GROWTH = 1.5  # a matrix's room grows by this factor when rows are appended
 
 
 def _schema() -> tantivy.Schema:
@@ -66,105 +66,6 @@ def _schema() -> tantivy.Schema:
     return builder.build()
 
 
-#: from this many passages on, the nearest are found in two steps (see `_Vectors`)
-QUANTIZE_ROWS = 20_000
-RESCORE_PER_RESULT = 10
-
-
-@dataclass
-class _Vectors:
-    """A space's embeddings as unit rows, and which passage each row is.
-
-    `version` and `removed` are the space's when it was read, `last_rowid` the last
-    row read: rows added since are appended (into spare room of `buffer`, shared
-    with the older copy, which never looks past its own `count`).
-
-    A large space also keeps one bit per dimension (the sign of the row minus the
-    space's mean row): its nearest passages are the best by cosine among the
-    `RESCORE_PER_RESULT` × limit whose bits differ least from the query's. Reading
-    100k rows of 384 floats takes ~90 ms on one core here (memory bandwidth); their
-    bits are 32 times less to read."""
-
-    version: int
-    removed: int = 0
-    last_rowid: int = 0
-    keys: list[tuple[str, int]] = field(default_factory=list)
-    buffer: np.ndarray | None = None
-    count: int = 0
-    mean: np.ndarray | None = None
-    codes: np.ndarray | None = None
-
-    @property
-    def matrix(self) -> np.ndarray | None:
-        return None if self.buffer is None else self.buffer[: self.count]
-
-    @property
-    def nbytes(self) -> int:
-        size = 0 if self.buffer is None else self.buffer.nbytes
-        return size + (0 if self.codes is None else self.codes.nbytes) + 64 * len(self.keys)
-
-    def appended(
-        self, version: int, last_rowid: int, keys: list[tuple[str, int]], rows: np.ndarray
-    ) -> _Vectors:
-        """A newer copy with `rows` (unit, of this width) after this one's."""
-        fresh = replace(self, version=version, last_rowid=last_rowid)
-        if not keys:
-            return fresh
-        buffer = self.buffer
-        total = self.count + len(rows)
-        if buffer is None or len(buffer) < total:
-            room = max(total, int(self.count * GROWTH))
-            grown = np.empty((room, rows.shape[1]), dtype=np.float32)
-            if buffer is not None:
-                grown[: self.count] = buffer[: self.count]
-            buffer = grown
-        buffer[self.count : total] = rows
-        fresh.buffer, fresh.count, fresh.keys = buffer, total, [*self.keys, *keys]
-        if self.codes is not None and self.mean is not None:
-            fresh.codes = np.concatenate([self.codes, _bits(rows - self.mean)])
-        else:
-            fresh.quantize()
-        return fresh
-
-    def quantize(self) -> None:
-        matrix = self.matrix
-        if matrix is None or len(matrix) < QUANTIZE_ROWS:
-            return
-        self.mean = matrix.mean(axis=0)
-        self.codes = _bits(matrix - self.mean)
-
-    def scores(self, query: np.ndarray, limit: int, mask: np.ndarray | None) -> np.ndarray:
-        """Every row's cosine with `query` (-inf where `mask` is False); in a large
-        space -inf too for the rows that were not candidates."""
-        matrix = self.matrix
-        assert matrix is not None
-        if self.codes is None or self.mean is None:
-            exact: np.ndarray = matrix @ query
-            return np.where(mask, exact, -np.inf) if mask is not None else exact
-        distance = np.bitwise_count(self.codes ^ _bits(query - self.mean)).sum(
-            axis=1, dtype=np.uint32
-        )
-        if mask is not None:
-            distance = np.where(mask, distance, np.iinfo(np.uint32).max)
-        wanted = min(len(distance), RESCORE_PER_RESULT * limit)
-        rows = (
-            np.argpartition(distance, wanted - 1)[:wanted]
-            if wanted < len(distance)
-            else np.arange(len(distance))
-        )
-        scores = np.full(len(matrix), -np.inf, dtype=np.float32)
-        scores[rows] = matrix[rows] @ query
-        if mask is not None:
-            scores = np.where(mask, scores, -np.inf)
-        return scores
-
-
-def _bits(rows: np.ndarray) -> np.ndarray:
-    """Signs as packed bits (a view of 64-bit words when the width allows)."""
-    packed = np.packbits(rows > 0, axis=-1)
-    return packed.view(np.uint64) if packed.shape[-1] % 8 == 0 else packed
-
-
 class TantivyEngine(Engine):
     def __init__(self, url: str, *, vector_cache_bytes: int = 512 << 20) -> None:
         self.folder = Path(url_path(url))
@@ -173,7 +74,7 @@ class TantivyEngine(Engine):
         self._writing: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # the maps above, and the SQLite connection
         #: spaces' matrices, least recently searched first, and their bytes together
-        self._vectors: OrderedDict[str, _Vectors] = OrderedDict()
+        self._vectors: OrderedDict[str, Vectors] = OrderedDict()
         self._cached_bytes = 0
         self.vector_cache_bytes = vector_cache_bytes
         self._cache_lock = threading.Lock()
@@ -436,7 +337,7 @@ class TantivyEngine(Engine):
         cached = self._matrix(space)
         if cached.matrix is None or documents == []:
             return []
-        query = unit(vector)[0]
+        query = unit_rows(vector)[0]
         if query.shape[0] != cached.matrix.shape[1]:
             return []  # embedded by another model: `python -m app.collections reembed`
         mask = None
@@ -444,15 +345,14 @@ class TantivyEngine(Engine):
             wanted = set(documents)
             mask = np.fromiter((k[0] in wanted for k in cached.keys), bool, len(cached.keys))
         scores = cached.scores(query, limit, mask)
-        k = min(limit, len(scores))
-        best = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-        best = best[np.argsort(-scores[best], kind="stable")]
         keys = [
-            (*cached.keys[i], float(scores[i])) for i in best.tolist() if np.isfinite(scores[i])
+            (*cached.keys[i], float(scores[i]))
+            for i in top(scores, limit).tolist()
+            if np.isfinite(scores[i])
         ]
         return self._hits(space, keys)
 
-    def _matrix(self, space: str) -> _Vectors:
+    def _matrix(self, space: str) -> Vectors:
         """The space's embeddings, brought up to date when a write moved its version on:
         by the rows added since, or read whole after a delete. One space is read at a
         time; a search that finds it being read waits for that read and takes it."""
@@ -469,14 +369,14 @@ class TantivyEngine(Engine):
         self._remember(space, fresh)
         return fresh
 
-    def _cached(self, space: str) -> _Vectors | None:
+    def _cached(self, space: str) -> Vectors | None:
         with self._cache_lock:
             cached = self._vectors.get(space)
             if cached is not None:
                 self._vectors.move_to_end(space)
             return cached
 
-    def _remember(self, space: str, fresh: _Vectors) -> None:
+    def _remember(self, space: str, fresh: Vectors) -> None:
         """Keep `fresh` as the space's matrix, letting the least recently searched go
         past `vector_cache_bytes` (one bigger than that is used, not kept)."""
         with self._cache_lock:
@@ -497,7 +397,7 @@ class TantivyEngine(Engine):
             if old is not None:
                 self._cached_bytes -= old.nbytes
 
-    def _load(self, space: str, cached: _Vectors | None) -> _Vectors:
+    def _load(self, space: str, cached: Vectors | None) -> Vectors:
         """Read the space's vectors (those after `cached`'s last row, when nothing was
         removed since it was read) in one read transaction of `_reader`."""
         reader = self._reader
@@ -532,12 +432,12 @@ class TantivyEngine(Engine):
                 return cached.appended(version, last, [], np.empty((0, 0), np.float32))
             if widths == {cached.buffer.shape[1] * 4}:
                 raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
-                return cached.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
+                return cached.appended(version, last, keys, unit_rows(raw.reshape(len(rows), -1)))
             return self._load(space, None)  # another width: read it whole
-        fresh = _Vectors(version, removed, last)
+        fresh = Vectors(version, removed, last)
         if rows and len(widths) == 1:
             raw = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32)
-            fresh = fresh.appended(version, last, keys, unit(raw.reshape(len(rows), -1)))
+            fresh = fresh.appended(version, last, keys, unit_rows(raw.reshape(len(rows), -1)))
         return fresh
 
     async def passages(self, space: str) -> list[Passage]:

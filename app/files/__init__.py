@@ -1,1 +1,2 @@
-"""Uploaded files: extraction, chunking, indexing and retrieval."""
+"""Uploaded files: upload, index in the collections engine, retrieval (the text is
+read by `app/extract.py`)."""

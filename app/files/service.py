@@ -1,7 +1,7 @@
 """Your own documents: upload, index, list, delete, and the passages that answer a question.
 
 An upload is read and chunked by tokens, with the page each chunk is on, in a
-child process (`extract.py`: CPU work stays off the event loop), embedded in batches
+child process (`app/extract.py`: CPU work stays off the event loop), embedded in batches
 through the configured embeddings model (when there is one), put in the collections
 engine as a document of its owner's private space (`uploads-<userId>`), and stored —
 file, chunks and vectors in one transaction, so a file is either ready or failed,
@@ -26,13 +26,14 @@ from ..chores import Chores
 from ..collections.base import Passage as IndexedPassage
 from ..collections.retrieval import Retriever
 from ..config import UploadSettings
-from ..errors import AppError, BadRequest, Forbidden, NotFound
+from ..errors import AppError, BadRequest, NotFound
+from ..extract import Extracted, cited_page, extract, kind_of
 from ..ids import Snowflake
-from ..llm import Embedder
-from ..search.base import SearchResult
+from ..model import Embedder
+from ..ownership import authorize
+from ..results import SearchResult
+from ..scoring import Bm25Index, bm25_scores, cosines
 from ..store import FileRecord, Store, StoredChunk
-from .extract import Extracted, cited_page, extract, kind_of
-from .index import Bm25Index, bm25_scores, unit_rows
 
 log = logging.getLogger("app.files")
 
@@ -201,8 +202,7 @@ class FileService:
         record = await self.store.get_file(file_id)
         if record is None:
             raise NotFound("no such file")
-        if record.user_id != user_id:
-            raise Forbidden("this file belongs to another user")
+        authorize(record.user_id, user_id, "file")
         return record
 
     async def list_files(self, user_id: str) -> list[FileRecord]:
@@ -220,8 +220,10 @@ class FileService:
         records = []
         for file_id in file_ids:
             record = await self.store.get_file(file_id)
-            if record is None or record.user_id != user_id:
-                raise BadRequest(f"files: {file_id!r} is not one of your uploads")
+            refusal = BadRequest(f"files: {file_id!r} is not one of your uploads")
+            if record is None:
+                raise refusal
+            authorize(record.user_id, user_id, refusal=refusal)
             if record.status != "ready":
                 raise BadRequest(f"files: {record.name!r} is {record.status}, not ready")
             records.append(record)
@@ -274,12 +276,12 @@ class FileService:
             vectors = await self.embedder.embed(
                 [query, *texts, *(p.result.snippet for p in passages)]
             )
-            scores = (unit_rows(vectors)[1:] @ unit_rows(vectors)[0]).tolist()
+            scores = cosines(vectors[0], vectors[1:])
             web_scores, file_scores = scores[: len(web)], scores[len(web) :]
         except AppError:  # no embeddings model (or it failed): BM25 over all of them
             everything = texts + [p.result.snippet for p in passages]
-            (scores,) = bm25_scores([Bm25Index(everything)], query)
-            web_scores, file_scores = scores[: len(web)].tolist(), scores[len(web) :].tolist()
+            (lexical,) = bm25_scores([Bm25Index(everything)], query)
+            web_scores, file_scores = lexical[: len(web)].tolist(), lexical[len(web) :].tolist()
         ranked = sorted(
             zip(web_scores + file_scores, web + [p.result for p in passages], strict=True),
             key=lambda pair: -pair[0],

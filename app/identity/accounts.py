@@ -23,7 +23,8 @@ from typing import Any
 from ..config import AuthSettings
 from ..errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from ..ids import Snowflake
-from ..store import Account, AccountChange, ApiKey, Store
+from ..store import Account as Account
+from ..store import AccountChange, ApiKey, Store
 from ..store.base import bad_invite
 from .passwords import MAX_LENGTH, MIN_LENGTH, Passwords
 from .throttle import SignInThrottle

@@ -29,12 +29,11 @@ import httpx
 
 from ..config import DdgsSettings
 from ..errors import SearchError
+from ..results import SearchFilters, SearchResult
 from .base import (
     MediaResult,
     NewsItem,
-    SearchFilters,
     SearchProvider,
-    SearchResult,
     SearchScope,
     absolute,
     pixels,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from urllib.parse import quote_plus
 
-from ..demo import topic_of
-from .base import SearchFilters, SearchProvider, SearchResult, SearchScope
+from ..model import topic_of
+from ..results import SearchFilters, SearchResult
+from .base import SearchProvider, SearchScope
 
 
 class DemoSearch(SearchProvider):

@@ -20,11 +20,10 @@ import httpx
 
 from ..config import GoogleSettings
 from ..errors import SearchError
+from ..results import SearchFilters, SearchResult
 from .base import (
     MediaResult,
-    SearchFilters,
     SearchProvider,
-    SearchResult,
     SearchScope,
     absolute,
     iso_date,

@@ -7,10 +7,10 @@ import re
 import orjson
 
 from ..errors import AppError
-from ..files.index import unit_rows
-from ..llm import ChatModel, Embedder
+from ..model import ChatModel, Embedder
 from ..prompts import Prompts
-from .base import SearchResult
+from ..results import SearchResult
+from ..scoring import cosines
 
 _OUTPUT = re.compile(r"<output>(.*?)</output>", re.S | re.I)
 _NUMBER = re.compile(r"\d+")
@@ -22,8 +22,7 @@ async def rank_by_embeddings(
     """Results ordered by cosine similarity of question and title+snippet, best first
     (stable for ties). Raises what `Embedder.embed` raises."""
     vectors = await embedder.embed([question, *(f"{r.title}\n{r.snippet}" for r in results)])
-    rows = unit_rows(vectors)
-    scores = (rows[1:] @ rows[0]).tolist()
+    scores = cosines(vectors[0], vectors[1:])
     scored = sorted(enumerate(results), key=lambda pair: -scores[pair[0]])
     return [result for _, result in scored]
 

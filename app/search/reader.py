@@ -18,22 +18,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import ipaddress
-import re
 import socket
 import typing
 
 import httpcore
 import httpx
-from selectolax.lexbor import LexborHTMLParser
 
 from ..config import ReaderSettings
 from ..errors import SearchError
+from ..extract import extract_main_text
 
 MAX_PAGE_BYTES = 2_000_000
 MAX_TEXT_CHARS = 20_000
 TEXT_TYPES = ("text/html", "application/xhtml+xml", "text/plain", "text/markdown")
-_DROP = "script, style, noscript, template, svg, nav, header, footer, aside, form, iframe, button"
-_BLANKS = re.compile(r"\n{3,}")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 # not covered by ipaddress' is_private on every Python: shared (CGNAT) space
@@ -189,20 +186,6 @@ class BuiltinReader(Reader):
         if kind in ("text/plain", "text/markdown"):
             return clip(text)
         return clip(await asyncio.to_thread(extract_main_text, text))
-
-
-def extract_main_text(html: str) -> str:
-    """The readable text of a page: its title, then `<article>`/`<main>` (else the
-    body) without scripts, navigation, headers, footers and forms."""
-    tree = LexborHTMLParser(html)
-    title_node = tree.css_first("title")
-    title = title_node.text(strip=True) if title_node else ""
-    for node in tree.css(_DROP):
-        node.decompose()
-    root = tree.css_first("article") or tree.css_first("main") or tree.body
-    text = root.text(separator="\n", strip=True) if root else ""
-    text = _BLANKS.sub("\n\n", text)
-    return f"{title}\n\n{text}".strip() if title and not text.startswith(title) else text
 
 
 def clip(text: str) -> str:

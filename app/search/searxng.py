@@ -17,12 +17,11 @@ import httpx
 
 from ..config import SearxngSettings
 from ..errors import SearchError
+from ..results import SearchFilters, SearchResult
 from .base import (
     MediaResult,
     NewsItem,
-    SearchFilters,
     SearchProvider,
-    SearchResult,
     SearchScope,
     absolute,
     pixels,

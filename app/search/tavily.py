@@ -15,17 +15,8 @@ import httpx
 
 from ..config import TavilySettings
 from ..errors import SearchError
-from .base import (
-    MediaResult,
-    NewsItem,
-    SearchFilters,
-    SearchProvider,
-    SearchResult,
-    SearchScope,
-    absolute,
-    results_from,
-    text,
-)
+from ..results import SearchFilters, SearchResult
+from .base import MediaResult, NewsItem, SearchProvider, SearchScope, absolute, results_from, text
 
 
 class TavilySearch(SearchProvider):

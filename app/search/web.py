@@ -28,15 +28,10 @@ import httpx
 from ..chores import cancel_and_wait
 from ..config import Settings
 from ..errors import AppError, SearchError
-from ..llm import ChatModel, Embedder
+from ..model import ChatModel, Embedder
 from ..prompts import Prompts
-from .base import (
-    MediaResult,
-    NewsItem,
-    SearchFilters,
-    SearchProvider,
-    SearchResult,
-)
+from ..results import SearchFilters, SearchResult
+from .base import MediaResult, NewsItem, SearchProvider
 from .ddgs import DdgsSearch
 from .demo import DemoSearch
 from .google import GoogleSearch

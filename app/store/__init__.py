@@ -1,8 +1,10 @@
-"""Chats and messages, behind one interface; the backend is chosen by URL."""
+"""Chats and messages, files, collections, accounts, behind one interface; the
+backend is chosen by URL."""
 
 from __future__ import annotations
 
-from .base import (
+from .base import Store
+from .records import (
     Account,
     AccountChange,
     ApiKey,
@@ -13,7 +15,6 @@ from .base import (
     FileRecord,
     GroupRecord,
     Saved,
-    Store,
     StoredChunk,
     StoredMessage,
     StoredResponse,

@@ -13,6 +13,8 @@ from redis.exceptions import RedisError
 #: connections per node of a cluster client that waits on Redis (XREAD BLOCK, pub/sub):
 #: one per remote follower, so as many as Redis takes by default (`maxclients`)
 BLOCKING_CONNECTIONS = 10_000
+#: how often a waiting client's unused connections are closed (`shed_idle_every`)
+SHED_SECONDS = 60.0
 
 
 def open_redis(
@@ -219,6 +221,17 @@ async def shed_idle(redis: Any) -> None:
         )
         return
     await redis.connection_pool.disconnect(inuse_connections=False)
+
+
+async def shed_idle_every(redis: Any, timeout: float, seconds: float = SHED_SECONDS) -> None:
+    """Every `seconds`, `shed_idle` (a client for reads that wait held a connection per
+    waiting reader: a worker that once followed hundreds of answers does not keep
+    their sockets); a failure is let go, the next comes."""
+    while True:
+        await asyncio.sleep(seconds)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(timeout):
+                await shed_idle(redis)
 
 
 async def close_redis(redis: Any) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
 
 from redis.exceptions import MaxConnectionsError, RedisError
 
@@ -23,19 +23,38 @@ from ..errors import AppError
 from ..events import Event, Handle
 from . import rediskeys as k
 from .connect import is_cluster
-
-if TYPE_CHECKING:
-    from .redis import RedisHub
+from .rediskeys import BUSY_SECONDS, WATCH_EVERY
 
 log = logging.getLogger("app.streams")
 
 BLOCK_MS = 1000
-#: how often a follower says again that it follows (the owner forgets after three times that)
-WATCH_EVERY = 2.0
 #: a follower that keeps finding events missing gives up after this many reads of the log
 MAX_GAPS = 20
-#: how long a follower waits when every connection its client may open is busy
-BUSY_SECONDS = 0.05
+
+
+class Followed(Protocol):
+    """What a follower needs of its hub (the Redis hub is one)."""
+
+    #: the client for commands, and the one for reads that wait (XREAD BLOCK)
+    redis: Any
+    blocking: Any
+    #: the longest one call to Redis may take
+    timeout: float
+    #: how long a lost claim or a Redis away is waited for: `settle` + `claim_ttl`
+    settle: float
+    claim_ttl: float
+
+    async def owner_of(self, answer_id: str) -> str: ...
+
+    async def states(self, answers: list[tuple[str, str]]) -> list[str]: ...
+
+    async def alive(self, token: str) -> bool: ...
+
+    async def gather(self, handle: Handle) -> dict[int, Event]: ...
+
+    def connection_lost(self) -> None: ...
+
+    async def reconnect(self) -> None: ...
 
 
 async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
@@ -52,7 +71,53 @@ async def _xread(client: Any, key: str, last_id: bytes | str) -> Any:
     )
 
 
-async def follow(hub: RedisHub, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+async def gather_many(redis: Any, handles: Sequence[Handle]) -> dict[str, dict[int, Event]]:
+    """Every event of each generation that Redis holds — its log and, unless the log
+    has its end, its owner's journal — by seq (a commit sent again after a failure may
+    have written some twice), each owner's journal read once for all of them (a dead
+    process's orphans share it). The journal is read first: what it no longer holds
+    was trimmed after the log had it."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in handles:
+            pipe.xrevrange(k.log(handle.answer_id), count=1)
+        lasts = await pipe.execute()
+    events: dict[str, dict[int, Event]] = {h.answer_id: {} for h in handles}
+    open_ = [
+        handle
+        for handle, found in zip(handles, lasts, strict=True)
+        # a log that has its end holds all of it
+        if not (found and any(e.terminal for e in k.load_events(found[0][1][b"e"], handle)))
+    ]
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in open_:
+            pipe.get(k.owner(handle.answer_id))
+        owners = await pipe.execute()
+    by_owner: dict[str, list[Handle]] = {}
+    for handle, owner in zip(open_, owners, strict=True):
+        if owner:
+            by_owner.setdefault(k.text(owner), []).append(handle)
+    for owner, owned in by_owner.items():
+        fields_of = {h.answer_id.encode(): h for h in owned}
+        for _id, fields in await redis.xrange(k.journal(owner)):
+            for field, raw in fields.items():
+                handle_ = fields_of.get(field)
+                if handle_ is not None:
+                    kept = events[handle_.answer_id]
+                    for event in k.load_events(raw, handle_):
+                        kept.setdefault(event.seq, event)
+    async with redis.pipeline(transaction=False) as pipe:
+        for handle in handles:
+            pipe.xrange(k.log(handle.answer_id))
+        logs = await pipe.execute()
+    for handle, entries in zip(handles, logs, strict=True):
+        kept = events[handle.answer_id]
+        for _id, fields in entries:
+            for event in k.load_events(fields[b"e"], handle):
+                kept.setdefault(event.seq, event)
+    return events
+
+
+async def follow(hub: Followed, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
     """The events after `after_seq` of another process's generation, in order, each
     once, until its terminal event. Through an outage it reconnects and goes on from
     the last event it had; it ends with an `error` event when the generation is

@@ -5,20 +5,15 @@ The hub is composed of parts, each in its module:
 
     rediskeys   the keys (hash-tagged by chat, answer or process) and their encodings
     claims      claims on chats, the concurrency cap, one-at-a-time chores (scripts)
+    commits     the group commit: the events of every generation, one XADD a commit
     journal     the group commit's bookkeeping, with no I/O: what to write where
+    beat        the heartbeat's bookkeeping, with no I/O: which claims and flags to read
+    listener    pub/sub: cancels, and which answers other processes follow
     follower    following a generation of another process (its log only)
     recovery    what is done when Redis lost its data
 
-A generation appends to its local log (which local clients follow with no
-Redis round trip). Every `commit_linger` the committer writes the new events of
-every generation of the process as one entry of the process's journal — one
-XADD however many generations run — and releases them to readers once Redis has
-acknowledged it. Each generation's own log is written from that every
-`CHECKPOINT_SECONDS`, at its end, and at every commit while another process
-follows it; the journal is trimmed to what the logs do not hold yet. So Redis is
-never more than a commit behind, a token costs a small fraction of a command,
-and a follower reads only its answer's log.
-
+A generation appends to its local log (which local clients follow with no Redis
+round trip); the committer writes it to Redis within `commit_linger` (`commits`).
 Claims are extended once a quarter of their TTL old, one GETEX each (which says
 whose the claim is); a claim found missing is set again (compare-and-set).
 """
@@ -47,26 +42,23 @@ from .base import (
     already_running,
     too_many,
 )
-from .claims import RECOVERING, TAKEN, Claims, end_in
-from .connect import blocking_client, close_redis, is_cluster, refresh_cluster, shed_idle
-from .follower import BUSY_SECONDS, WATCH_EVERY, follow
-from .journal import Journal, Plan
+from .beat import Heartbeat
+from .claims import RECOVERING, TAKEN, Claims
+from .commits import Committer
+from .connect import blocking_client, close_redis, is_cluster, refresh_cluster, shed_idle_every
+from .follower import follow, gather_many
+from .journal import Journal
+from .listener import listen
 from .recovery import Recovery, recovering
+from .rediskeys import BUSY_SECONDS, WATCH_EVERY
 
 log = logging.getLogger("app.streams")
 
-LOG_CAP = 100_000  # entries (batches) per generation, approximate
 #: how often a running generation's own log is brought up to date from the journal
 CHECKPOINT_SECONDS = 2.0
 OWNERS_KEPT = 1024  # answers of other processes whose owner is remembered
-#: how often the waiting client's unused connections are closed (see `_shed_idle`)
-SHED_SECONDS = 60.0
 #: the longest one call to Redis may take: connecting, or a command's answer
 OPERATION_SECONDS = 2.0
-#: a cancel listener that heard nothing for this long asks Redis whether it is there
-LISTEN_PING_SECONDS = 5.0
-#: the error an answer ends with when its events cannot be written
-UNWRITABLE = "the answer could not be passed on: an event of it could not be written"
 
 
 @contextlib.asynccontextmanager
@@ -111,6 +103,7 @@ class RedisHub(StreamHub):
         self._cluster = is_cluster(redis)
         self._mapped = 0.0  # when the cluster's slot map was last read after a failure
         self.local = LocalRegistry(replay_ttl)
+        self._beat_now = asyncio.Event()
         self.token = secrets.token_hex(8)
         self.replay_ttl_ms = int(replay_ttl * 1000)
         self.handle_ttl_ms = int(handle_ttl * 1000)
@@ -132,47 +125,52 @@ class RedisHub(StreamHub):
             redis, self.token, handle_ttl_ms=self.handle_ttl_ms, keep_ms=self.keep_ms
         )
         self.journal = Journal(CHECKPOINT_SECONDS)
+        self.commits = Committer(
+            redis,
+            self.token,
+            self.local,
+            self.journal,
+            linger=self.commit_linger,
+            timeout=timeout,
+            replay_ttl_ms=self.replay_ttl_ms,
+            keep_ms=self.keep_ms,
+            on_failure=self._commit_failed,
+            on_back=self._beat_now.set,
+        )
         #: a claim is extended at the first beat after it is a quarter of its TTL old
         #: (at least half its TTL is always left: an owner cut off from Redis for
         #: less than that keeps its chats)
         self.claim_refresh = handle_ttl / 4
+        self.heartbeat = Heartbeat(
+            self.token,
+            self._cluster,
+            self.handle_ttl_ms,
+            self.proc_ttl_ms,
+            self.keep_ms,
+            self.claim_refresh,
+        )
         self._extended: dict[str, float] = {}  # when each claim was set or last extended
         self._owners: dict[str, str] = {}  # answers of other processes: whose they are
         #: ended answers whose end Redis did not take (the claim released, the keys
         #: kept for replay only): done again at each heartbeat until it does
         self._unended: dict[str, tuple[Handle, str | None]] = {}
-        #: generations whose end waits for the next commit: it says so, ends the claim
-        self._ending: dict[str, tuple[asyncio.Future[None], Handle, str | None]] = {}
-        self._wake = asyncio.Event()
-        self._beat_now = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
         self._chores = Chores("redis hub")
-        self._outage = False
         #: whether cancels may have been published while the listener did not listen
         self._flags_unread = True
         self._fresh: set[str] = set()  # answers registered since the last beat
-        #: answers ended with an error because their events could not be written
-        self._failed: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
     async def open(self) -> None:
         async with self._unavailable():
             await self.redis.set(k.proc(self.token), b"1", px=self.proc_ttl_ms)
-        self._chores.loop("committer", self._committer)
+        self._chores.loop("committer", self.commits.run)
         self._chores.loop("cancel listener", self._listener)
         self._chores.loop("heartbeat", self._heartbeat)
         self._chores.loop("idle connections", self._shed_idle)
 
     async def _shed_idle(self) -> None:
-        """Every `SHED_SECONDS`, close the waiting client's connections that no reader
-        uses (each follower held one while it waited): a worker that once followed
-        hundreds of answers does not keep their sockets."""
-        while True:
-            await asyncio.sleep(SHED_SECONDS)
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(self.timeout):
-                    await shed_idle(self.blocking)
+        await shed_idle_every(self.blocking, self.timeout)
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
@@ -190,7 +188,7 @@ class RedisHub(StreamHub):
 
     @property
     def degraded(self) -> bool:
-        return self._outage
+        return self.commits.outage
 
     async def ping(self) -> None:
         async with self._unavailable():
@@ -223,6 +221,10 @@ class RedisHub(StreamHub):
                 async with asyncio.timeout(self.timeout):
                     await refresh_cluster(client)
 
+    async def _commit_failed(self) -> None:
+        self.connection_lost()
+        await self.reconnect()
+
     def _lost_data(self) -> None:
         self.recovery.lost_data()
         self._beat_now.set()
@@ -252,7 +254,7 @@ class RedisHub(StreamHub):
             if max_running and running > max_running:
                 await self.claims.unclaim(handle, payload, cap_key)
                 raise too_many(max_running)
-        log_ = GenerationLog(handle, self._queue)
+        log_ = GenerationLog(handle, self.commits.queue)
         self.local.add(log_, on_cancel, cap_key)
         self._extended[handle.answer_id] = time.monotonic()
         self._fresh.add(handle.answer_id)
@@ -281,21 +283,21 @@ class RedisHub(StreamHub):
         log_ = self.local.log(handle.answer_id)
         entry = self.local.entry(handle.chat_id)
         cap_key = entry.cap_key if entry is not None else None
-        failed = handle.answer_id in self._failed
+        failed = handle.answer_id in self.commits.failed
         if log_ is not None and not failed:
             self.journal.queue(handle.answer_id, terminal)
         self.local.release(handle, keep_log=True)
         self._extended.pop(handle.answer_id, None)
         try:
             async with asyncio.timeout(self.timeout * 2):
-                if log_ is not None and not self._outage and not failed:
+                if log_ is not None and not self.commits.outage and not failed:
                     ended = asyncio.get_running_loop().create_future()
-                    self._ending[handle.answer_id] = (ended, handle, cap_key)
-                    self._wake.set()
+                    self.commits.ending[handle.answer_id] = (ended, handle, cap_key)
+                    self.commits.wake.set()
                     try:
                         await ended
                     finally:
-                        self._ending.pop(handle.answer_id, None)
+                        self.commits.ending.pop(handle.answer_id, None)
                 else:
                     await self.flush(only=handle.answer_id)
                     await self.claims.ended(
@@ -308,11 +310,11 @@ class RedisHub(StreamHub):
             # memory until the store takes it
             log.warning("redis unavailable while finishing %s: %r", handle.answer_id, exc)
             self._unended[handle.answer_id] = (handle, cap_key)
-            self._wake.set()
+            self.commits.wake.set()
         finally:
-            if log_ is not None and handle.answer_id not in self._failed:
+            if log_ is not None and handle.answer_id not in self.commits.failed:
                 log_.end(terminal)
-            self._failed.discard(handle.answer_id)
+            self.commits.failed.discard(handle.answer_id)
 
     async def orphaned(self, chat_id: str, answer_id: str) -> None:
         async with self._unavailable():
@@ -417,7 +419,7 @@ class RedisHub(StreamHub):
             if None in raws and self.recovery.doubtful():
                 raise recovering(self.recovery.doubt_until - time.monotonic())
             found = [k.load_handle(raw) for raw in raws if raw]
-            gathered = await self.gather_many(found)
+            gathered = await gather_many(self.redis, found)
         for answer_id, events in gathered.items():
             out[answer_id] = [events[seq] for seq in sorted(events)]
         return out
@@ -435,158 +437,9 @@ class RedisHub(StreamHub):
 
     # -- the event log ----------------------------------------------------------------
 
-    def _queue(self, log_: GenerationLog, event: Event) -> None:
-        """A log's sink: queue a numbered event for the next commit, which releases it
-        to readers once Redis has acknowledged it."""
-        self.journal.queue(log_.handle.answer_id, event)
-        self._wake.set()
-
-    async def _committer(self) -> None:
-        """Group commit: the events every generation of this process wrote within
-        `commit_linger` go to Redis in one journal entry, and reach readers when Redis
-        has acknowledged it. Through an outage it retries with growing pauses; the
-        events wait, unseen (or until their generation ends, see `finish`)."""
-        delay = 0.05
-        while True:
-            await self._wake.wait()
-            if self.commit_linger > 0:
-                await asyncio.sleep(self.commit_linger)
-            try:
-                async with asyncio.timeout(self.timeout * 2):
-                    await self.flush()
-            except MaxConnectionsError:  # every connection to a node is taken: soon again
-                await asyncio.sleep(BUSY_SECONDS)
-                self._wake.set()
-            except (RedisError, OSError, TimeoutError) as exc:
-                if not self._outage:
-                    log.warning(
-                        "redis unavailable: events of %d answers wait: %r",
-                        len(self.journal.pending),
-                        exc,
-                    )
-                self._outage = True
-                self.connection_lost()
-                await self.reconnect()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                if self.journal.pending:
-                    self._wake.set()  # try again: finished generations append nothing more
-            else:
-                if self._outage:
-                    log.info("redis is back: events are written again")
-                    self._beat_now.set()  # are the claims still there?
-                self._outage, delay = False, 0.05
-
     async def flush(self, only: str | None = None) -> None:
-        """Write pending events — of every generation, or of the answer id `only` — as
-        the journal says (`Journal.plan`), and release what was written to the
-        generations' readers. Serialised, so each log's entries stay in order. Raises
-        when Redis fails (the events stay pending). A commit that fails otherwise (an
-        event that cannot be encoded) ends the answers it cannot write with an error
-        (`_quarantine`), and the others are written at once: one answer never holds
-        back the rest."""
-        async with self._flush_lock:
-            if only is None:
-                self._wake.clear()
-            while True:
-                now = time.monotonic()
-                plan = self.journal.plan(now, only)
-                if plan is None:
-                    return
-                try:
-                    entry = await self._write(plan)
-                except (RedisError, OSError, TimeoutError):
-                    self.journal.failed(plan)
-                    raise
-                except Exception as exc:
-                    self.journal.failed(plan)
-                    if not self._quarantine(plan, exc):
-                        raise
-                    continue
-                except BaseException:
-                    self.journal.failed(plan)
-                    raise
-                break
-            self.journal.written(plan, entry, now)
-            for answer_id, batch in plan.pending.items():  # durable: readers may have them
-                written = self.local.log(answer_id)
-                if written is not None:
-                    written.release(batch[-1].seq)
-            for answer_id in plan.ended:
-                ending = self._ending.get(answer_id)
-                if ending is not None and not ending[0].done():
-                    ending[0].set_result(None)
-
-    def _quarantine(self, plan: Plan, exc: Exception) -> bool:
-        """A commit failed with something other than Redis failing: end the answers it
-        could not write — those whose new events do not encode, else (the cause is not
-        known) all of it — with an `INTERNAL` error, numbered right after what their
-        readers were shown, in place of their unwritten events, and cancel their
-        generations. An answer already ended so whose error cannot be written either
-        is given up here (readers elsewhere end when its claim goes). False when
-        nothing changed."""
-        culprits = []
-        for answer_id, batch in plan.pending.items():
-            try:
-                k.dump_events(batch)
-            except Exception:  # orjson: a lone surrogate, a value it does not know
-                culprits.append(answer_id)
-        if not culprits:
-            culprits = [*plan.pending, *(w.answer_id for w in plan.logs)]
-        log.error(
-            "the events of %s could not be written: ended with an error: %r",
-            ", ".join(culprits),
-            exc,
-        )
-        changed = False
-        for answer_id in dict.fromkeys(culprits):
-            log_ = self.local.log(answer_id)
-            if answer_id in self._failed or log_ is None or log_.finished:
-                if answer_id in self.journal.pending or answer_id in self.journal.unlogged:
-                    self.journal.forget(answer_id)
-                    changed = True
-                continue
-            h = log_.handle
-            data = {"key": "INTERNAL", "data": UNWRITABLE}
-            error = Event("error", h.chat_id, h.answer_id, data, log_.durable + 1)
-            self.journal.replace(answer_id, error)
-            self._failed.add(answer_id)
-            log_.fail(error)
-            self.local.cancel(answer_id)
-            changed = True
-        return changed
-
-    async def _write(self, plan: Plan) -> tuple[int, int] | None:
-        """One commit, in one pipeline; the id of its journal entry, if any. The claims
-        of the generations that end in it (and wait for it, see `finish`) end there
-        too, after their log: `plan.ended` says which."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for write in plan.logs:
-                key = k.log(write.answer_id)
-                pipe.xadd(key, {"e": k.dump_events(write.events)}, maxlen=LOG_CAP, approximate=True)
-                if write.expire == "replay":  # kept for replay from now on
-                    pipe.pexpire(key, self.replay_ttl_ms)
-                    ending = self._ending.get(write.answer_id)
-                    if ending is not None:
-                        _, handle, cap_key = ending
-                        end_in(pipe, handle, k.dump_handle(handle), cap_key, self.replay_ttl_ms)
-                        plan.ended.append(write.answer_id)
-                elif write.expire == "running":
-                    pipe.pexpire(key, self.keep_ms)
-            if not plan.journal:
-                await pipe.execute()
-                return None
-            at = len(pipe)
-            journal = k.journal(self.token)
-            fields = {answer_id: k.dump_events(batch) for answer_id, batch in plan.journal.items()}
-            if plan.trim is not None:  # trimmed exactly: a handful of entries at a time
-                pipe.xadd(journal, fields, minid=k.entry_id(plan.trim), approximate=False)
-            else:
-                pipe.xadd(journal, fields)
-            if plan.expire_journal:  # the heartbeat keeps it from now on
-                pipe.pexpire(journal, self.keep_ms)
-            results = await pipe.execute()
-        return k.parse_id(results[at])
+        """Write pending events now (see `Committer.flush`)."""
+        await self.commits.flush(only)
 
     def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
         local = self.local.log(handle.answer_id)
@@ -607,112 +460,35 @@ class RedisHub(StreamHub):
         return owner
 
     async def gather(self, handle: Handle) -> dict[int, Event]:
-        """Every event of a generation that Redis holds — its log and, unless the log
-        has its end, its owner's journal — by seq (a commit sent again after a failure
-        may have written some twice). The journal is read first: what it no longer
-        holds was trimmed after the log had it (see `journal`)."""
-        return (await self.gather_many([handle]))[handle.answer_id]
-
-    async def gather_many(self, handles: Sequence[Handle]) -> dict[str, dict[int, Event]]:
-        """`gather` of several generations, each owner's journal read once for all
-        of them (a dead process's orphans share it)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for handle in handles:
-                pipe.xrevrange(k.log(handle.answer_id), count=1)
-            lasts = await pipe.execute()
-        events: dict[str, dict[int, Event]] = {h.answer_id: {} for h in handles}
-        open_ = [
-            handle
-            for handle, found in zip(handles, lasts, strict=True)
-            # a log that has its end holds all of it
-            if not (found and any(e.terminal for e in k.load_events(found[0][1][b"e"], handle)))
-        ]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for handle in open_:
-                pipe.get(k.owner(handle.answer_id))
-            owners = await pipe.execute()
-        by_owner: dict[str, list[Handle]] = {}
-        for handle, owner in zip(open_, owners, strict=True):
-            if owner:
-                by_owner.setdefault(k.text(owner), []).append(handle)
-        for owner, owned in by_owner.items():
-            fields_of = {h.answer_id.encode(): h for h in owned}
-            for _id, fields in await self.redis.xrange(k.journal(owner)):
-                for field, raw in fields.items():
-                    handle_ = fields_of.get(field)
-                    if handle_ is not None:
-                        kept = events[handle_.answer_id]
-                        for event in k.load_events(raw, handle_):
-                            kept.setdefault(event.seq, event)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for handle in handles:
-                pipe.xrange(k.log(handle.answer_id))
-            logs = await pipe.execute()
-        for handle, entries in zip(handles, logs, strict=True):
-            kept = events[handle.answer_id]
-            for _id, fields in entries:
-                for event in k.load_events(fields[b"e"], handle):
-                    kept.setdefault(event.seq, event)
-        return events
+        """Every event of a generation that Redis holds, by seq (`gather_many`)."""
+        return (await gather_many(self.redis, [handle]))[handle.answer_id]
 
     # -- background: cancels, followers and heartbeats -------------------------------------
 
     async def _listener(self) -> None:
         """Cancels published for this process's generations, and which of them other
-        processes follow, on a connection of its own. A connection that answers nothing for `LISTEN_PING_SECONDS` (Redis hung,
-        or moved to another address) is dropped and made again."""
-        delay, failing = 0.1, False
-        follows = k.follow_channel(self.token)
-        while True:
-            if failing:
-                await self.reconnect()
-            pubsub = self.blocking.pubsub(ignore_subscribe_messages=True)
-            try:
-                if self._cluster:  # the slot map, to pick the node to listen on
-                    async with asyncio.timeout(self.timeout):
-                        await self.blocking.initialize()
-                async with asyncio.timeout(self.timeout):
-                    await pubsub.subscribe(k.CANCEL_CHANNEL, follows)
-                self._flags_unread = True  # cancels sent before now: at the next beat
-                self._beat_now.set()
-                if failing:
-                    log.info("cancel listener: redis is back")
-                    failing = False
-                delay = 0.1
-                heard = time.monotonic()
-                pinged = False
-                while True:
-                    message = await pubsub.get_message(timeout=LISTEN_PING_SECONDS / 2)
-                    now = time.monotonic()
-                    if message is not None:
-                        heard, pinged = now, False
-                        if message.get("type") == "message":
-                            self._heard(k.text(message["channel"]), k.text(message["data"]))
-                        continue
-                    if now - heard < LISTEN_PING_SECONDS / 2:
-                        continue
-                    if pinged:  # asked, and nothing came back
-                        raise TimeoutError("the cancel channel stopped answering")
-                    await pubsub.ping()
-                    pinged = True
-            except (RedisError, OSError, TimeoutError) as exc:
-                if not failing:
-                    log.warning("cancel listener lost redis: %r", exc)
-                    failing = True
-                self.connection_lost()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    async with asyncio.timeout(1.0):
-                        await pubsub.aclose()
+        processes follow (`listen`)."""
+        await listen(
+            self.blocking,
+            (k.CANCEL_CHANNEL, k.follow_channel(self.token)),
+            cluster=self._cluster,
+            timeout=self.timeout,
+            subscribed=self._subscribed,
+            heard=self._heard,
+            lost=self.connection_lost,
+            reconnect=self.reconnect,
+        )
+
+    def _subscribed(self) -> None:
+        self._flags_unread = True  # cancels sent before now: at the next beat
+        self._beat_now.set()
 
     def _heard(self, channel: str, answer_id: str) -> None:
         if channel == k.CANCEL_CHANNEL:
             self.local.cancel(answer_id)
         elif self.local.runs(answer_id):  # followed: its log is written at every commit
             if self.journal.watch(answer_id, time.monotonic() + 3 * WATCH_EVERY):
-                self._wake.set()
+                self.commits.wake.set()
 
     async def _heartbeat(self) -> None:
         #: after a failed beat the next comes soon (≤ 0.5 s): a node back empty is found,
@@ -739,91 +515,49 @@ class RedisHub(StreamHub):
                 self._beat_now.set()
 
     async def beat(self) -> None:
-        """One heartbeat, in one pipeline: say this process lives (and keep its journal),
-        and for each claim a quarter of its TTL old: extend it (one GETEX, which also
-        says whose the claim is) and its cap entry, and on a cluster see that its
-        handle is still there (its node may have lost its data alone). Pick up the
-        cancel flags of the answers registered since the last beat (a cancel can come
-        before an answer is held here) and, after the cancel listener was
-        (re)subscribed, of every running answer (it may have missed one). Set again a
-        claim found missing, and re-assert what Redis lost."""
-        running = self.local.running()
+        """One heartbeat, in one pipeline, as a `Beat` plans it; then set again a claim
+        found missing, re-assert what Redis lost, and cancel what was flagged."""
         now = time.monotonic()
-        if self.recovery.doubtful():
-            # a node that failed may come back empty: every claim is read, not only
-            # those due, so that a lost one is found (and the other processes told to
-            # wait) before another process can take its chat
-            due = running
-        else:
-            due = [
-                r
-                for r in running
-                if now - self._extended.get(r.handle.answer_id, 0.0) >= self.claim_refresh
-            ]
-        if self._flags_unread:
-            flags = running
-        else:  # registered since the last beat: a cancel may have come before it was local
-            flags = [r for r in running if r.handle.answer_id in self._fresh]
+        beat = self.heartbeat.plan(
+            self.local.running(),
+            self._extended,
+            now=now,
+            wall_ms=int(time.time() * 1000),
+            doubtful=self.recovery.doubtful(),
+            flags_unread=self._flags_unread,
+            fresh=self._fresh,
+        )
         self._flags_unread = False
         self._fresh.clear()
-        expiry = int(time.time() * 1000) + self.handle_ttl_ms
-        by_cap: dict[str, dict[str, int]] = {}
-        for r in due:
-            by_cap.setdefault(r.cap_key, {})[r.handle.answer_id] = expiry
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(k.proc(self.token), b"1", px=self.proc_ttl_ms, get=True)
-                pipe.pexpire(k.journal(self.token), self.keep_ms)
-                for r in due:
-                    pipe.getex(k.run(r.handle.chat_id), px=self.handle_ttl_ms)
-                    if self._cluster:
-                        pipe.exists(k.gen(r.handle.answer_id))
-                for r in flags:
-                    pipe.get(k.cancel(r.handle.answer_id))
-                for cap_key, members in by_cap.items():
-                    pipe.zadd(k.active(cap_key), members)
-                    pipe.pexpire(k.active(cap_key), self.handle_ttl_ms)
+                for name, args, kwargs in beat.commands():
+                    getattr(pipe, name)(*args, **kwargs)
                 results = await pipe.execute()
         except BaseException:
-            self._flags_unread = self._flags_unread or bool(flags)  # read them next time
+            self._flags_unread = self._flags_unread or bool(beat.flags)  # read them next time
             raise
-        was_alive = results[0]
-        stride = 2 if self._cluster else 1
-        per_claim = [
-            (results[2 + stride * i], results[3 + stride * i] if self._cluster else 1)
-            for i in range(len(due))
-        ]
-        flagged = results[2 + stride * len(due) : 2 + stride * len(due) + len(flags)]
-        for r in due:
+        heard = beat.read(results)
+        for r in beat.due:
             if self.local.runs(r.handle.answer_id):  # not ended while this beat ran
                 self._extended[r.handle.answer_id] = now
-        if was_alive is None:
+        if heard.lost_data:
             self._lost_data()
             kept = self.local.kept_logs()
             self.recovery.needs_reassert.update(log_.handle.answer_id for log_ in kept)
-            missing = running
         else:
-            missing = [r for r, (claim, _) in zip(due, per_claim, strict=True) if claim is None]
-            self._check_kept(
-                due,
-                [
-                    1 if claim in (None, k.dump_handle(r.handle)) else 0
-                    for r, (claim, _) in zip(due, per_claim, strict=True)
-                ],
-            )
-            # a handle gone with its claim still there: the answer's node lost its data
-            lost = [r for r, (claim, gen) in zip(due, per_claim, strict=True) if claim and not gen]
-            if lost:
+            self._check_kept(beat.due, heard.kept)
+            if heard.lost:  # a handle gone with its claim still there: its node lost data
                 self._lost_data()
-                self.recovery.needs_reassert.update(r.handle.answer_id for r in lost)
+                self.recovery.needs_reassert.update(r.handle.answer_id for r in heard.lost)
         if self.recovery.say_so:
             await self.redis.set(k.RECOVERING, self.token, px=int(self.settle * 1000), nx=True)
             self.recovery.say_so = False
-        if missing:
-            await self._claim_again(missing)
+        if heard.missing:
+            await self._claim_again(heard.missing)
         if self.recovery.needs_reassert:
             logs = [self.local.log(answer_id) for answer_id in self.recovery.needs_reassert]
-            async with self._flush_lock:
+            async with self.commits.lock:
                 await self.recovery.reassert(
                     self.redis,
                     self.token,
@@ -833,9 +567,8 @@ class RedisHub(StreamHub):
                     running_ms=self.max_generation_ms,
                 )
             self.recovery.needs_reassert.clear()
-        for r, flag in zip(flags, flagged, strict=True):
-            if flag:
-                self.local.cancel(r.handle.answer_id)
+        for r in heard.cancelled:
+            self.local.cancel(r.handle.answer_id)
         if self._unended:
             await self._end_again()
 

@@ -34,6 +34,11 @@ import orjson
 
 from ..events import Event, Handle
 
+#: how often a follower says again that it follows (the owner forgets after three times that)
+WATCH_EVERY = 2.0
+#: how long the hub waits when every connection its client may open is busy
+BUSY_SECONDS = 0.05
+
 PREFIX = "sc:"
 CANCEL_CHANNEL = PREFIX + "cancel"
 #: set (with a TTL of `settle`) by the first process to find Redis empty: until it

@@ -15,17 +15,16 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from ..api import usage_json
+from ..chat.records import iso
 from ..errors import AppError, BadRequest, Forbidden, NotFound, Unauthorized
 from ..identity import User
-from ..identity.accounts import Accounts
+from ..identity.accounts import Account, Accounts
 from ..identity.oidc import FLOW_COOKIE, FLOW_SECONDS, OidcSignIn
 from ..identity.quota import Quota
 from ..identity.resolver import SESSION_COOKIE, Identity
-from ..protocol import parse_id
-from ..store import Account
-from ..store.base import iso
+from ..ids import parse_id
 from .http import current_user, error_response, json_errors, read_json
+from .usage import usage_json
 
 CALLBACK = "/api/auth/oidc/callback"
 #: longer than any invite code the server makes

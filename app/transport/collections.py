@@ -23,13 +23,15 @@ from ..collections.service import CollectionService
 from ..config import auth_mode
 from ..errors import AppError, BadRequest, Forbidden, Unauthorized
 from ..files.service import clean_name
-from ..protocol import error_body, parse_id
+from ..ids import parse_id
+from ..protocol import error_body
 from .http import (
     client_identity,
     count_request,
     current_user,
     json_errors,
     rate_key,
+    read_form,
     read_json,
 )
 
@@ -105,8 +107,6 @@ async def add_documents(request: Request) -> Response:
     collection_id = _id(request)
     async with service.importing(rate_key(request)) as slot:
         if "multipart/form-data" in request.headers.get("content-type", ""):
-            from ..api import read_form
-
             if request.scope.get("user_id") is not None or "userId" in request.query_params:
                 await service.owned(_user(request), collection_id)
             limit = service.settings.max_import_bytes
@@ -152,7 +152,7 @@ async def delete_document(request: Request) -> Response:
 
 @json_errors
 async def import_progress(request: Request) -> Response:
-    """`{"done", "total", "failed"}`; with `?stream=true` SSE: `retry:` once, then a
+    """`{"done", "total", "failed"}`; with `?stream=true` SSE: `retry:` once (in the first block), then a
     `progress` event (its `id` the documents ended) per change until the import has
     ended. A reconnect (`Last-Event-ID`, or `?lastEventId=`) at or past the end of an
     import that has ended is `204 No Content`, which stops a browser's EventSource
@@ -168,12 +168,14 @@ async def import_progress(request: Request) -> Response:
     retry_ms = request.app.state.settings.stream.retry_ms
 
     async def events() -> AsyncIterator[bytes]:
-        yield b"retry: %d\n\n" % retry_ms
+        retry = b"retry: %d\n" % retry_ms  # in the first event's block: none without data
         try:
             async with asyncio.timeout(PROGRESS_MAX_SECONDS):
                 async for progress in service.follow(user_id, collection_id, import_id):
+                    retry, first = b"", retry
                     yield (
-                        b"event: progress\nid: %d\ndata: " % progress.done
+                        first
+                        + b"event: progress\nid: %d\ndata: " % progress.done
                         + orjson.dumps(progress.to_json())
                         + b"\n\n"
                     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,7 +19,8 @@ from ..auth import Auth
 from ..errors import AppError, BadRequest, Unauthorized, UnknownModel
 from ..identity import User
 from ..identity.resolver import SAFE_METHODS, Identity
-from ..protocol import ChatRequest, error_body, is_number, loads, parse_id
+from ..ids import is_number, parse_id
+from ..protocol import ChatRequest, error_body, loads
 
 log = logging.getLogger("app.http")
 
@@ -29,6 +32,8 @@ USER = "searchchat.user"
 #: how much of an over-large body is read and dropped before the 413
 DRAIN_BYTES = 64 * 1024 * 1024
 DRAIN_SECONDS = 10.0
+#: the most files one multipart upload may carry
+MAX_FILES_PER_UPLOAD = 10
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -126,6 +131,33 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not size:
         raise BadRequest("body is empty: send the request as JSON")
     return loads(b"".join(chunks))
+
+
+async def read_form(
+    request: Request, limit: int, max_files: int = MAX_FILES_PER_UPLOAD
+) -> FormData:
+    """A multipart body of at most `limit` bytes and `max_files` files (413 past the
+    size, read to its end first)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and is_number(declared) and int(declared) > limit:
+        await read_json(request, limit)  # reads it to its end, then says 413
+    size = 0
+
+    async def bounded() -> AsyncGenerator[bytes, None]:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"upload is larger than {limit} bytes", status=413)
+            yield chunk
+
+    if "multipart/form-data" not in request.headers.get("content-type", ""):
+        raise BadRequest("send the files as multipart/form-data", status=415)
+    try:
+        parser = MultiPartParser(request.headers, bounded(), max_files=max_files, max_fields=20)
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise BadRequest(f"the upload is not valid multipart: {exc.message}") from exc
 
 
 def current_user(request: HTTPConnection) -> User | None:

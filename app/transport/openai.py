@@ -32,13 +32,13 @@ from ..chat.service import ChatService
 from ..config import Settings
 from ..errors import AppError, BadRequest, UnknownModel
 from ..events import FOCUS_MODES, Event, Handle
+from ..ids import parse_id
 from ..protocol import (
     OPTIMIZATION_MODES,
     ChatRequest,
     Encoder,
     Events,
     parse_collections,
-    parse_id,
     parse_search,
 )
 from .http import (

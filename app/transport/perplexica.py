@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, Response
 from ..chat.history import rewrite
 from ..chat.service import ChatService
 from ..config import Settings
-from ..demo import is_demo
 from ..errors import BadRequest, Forbidden
 from ..events import Event, Handle
+from ..model import is_demo
 from ..protocol import Encoder, Events, parse_chat_request, parse_messages
 from .http import count_request, current_user, json_errors, read_json, request_user
 from .streaming import StreamResponse

@@ -2,16 +2,11 @@
 /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`.
 
 A response is a generation of the one chat service, as a chat completion is: the
-same models, search parameters and errors (§10). Its id is `resp_<answerId>`.
-Beside the answer, the store keeps what the request said that the response echoes
-(model, instructions, metadata, …), the response it continued, and once it has
-ended what its stream showed beyond the answer's text (its searches, its usage,
-images and related questions): `GET` follows the generation's log while it is kept,
-and builds the same response from the stored answer after. `ResponseState` is the
-I/O-free part: it turns a generation's events into the Responses stream events,
-numbered from 0, and says what the `response` object is at any point. Since it is a
-pure function of the events, a client that lost its stream gets the same numbers
-again from any process (`?stream=true&starting_after=N`), which is our resume.
+same models, search parameters and errors (§10); what it keeps and reads beside its
+answer is `app.chat.responses`'s. `ResponseState` turns a generation's events into
+the Responses stream events, numbered from 0, and says what the `response` object is
+at any point: a pure function of the events, so a client that lost its stream gets
+the same numbers again from any process (`?stream=true&starting_after=N`).
 
 A streaming client that goes away stops a foreground response, as on
 `/v1/chat/completions`; a `background` one runs on until it ends or is cancelled.
@@ -24,26 +19,22 @@ and `delete` could not send it back.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..chat.history import HISTORY_MESSAGES
+from ..chat.responses import Found, ResponseRequest, Responses, response_id, search_step
 from ..chat.service import ChatService
 from ..config import Settings
-from ..errors import AppError, BadRequest, Conflict, NotFound
+from ..errors import BadRequest
 from ..events import Event, Handle
-from ..protocol import ChatRequest, Encoder, Events, parse_id
-from ..store import Chat, StoredMessage, StoredResponse
+from ..protocol import ChatRequest, Encoder, Events
 from .http import client_identity, count_request, openai_errors, rate_key, read_json
 from .openai import (
     conversation,
@@ -55,74 +46,10 @@ from .openai import (
     while_connected,
 )
 
-log = logging.getLogger("app.responses")
-
 #: a `[N]` citation marker in an answer
 MARKER = re.compile(r"\[(\d{1,3})\]")
 #: what `include` may ask for that a response has
 SEARCH_SOURCES = "web_search_call.action.sources"
-#: how long a cancel waits for the response to end before it answers
-CANCEL_WAIT_SECONDS = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseRequest:
-    """What a response echoes of its request (kept with its answer, `to_json`)."""
-
-    model: str
-    instructions: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    previous_response_id: str | None = None
-    store: bool = True
-    background: bool = False
-    user: str | None = None
-    created_at: int = 0
-    include: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "instructions": self.instructions,
-            "metadata": self.metadata,
-            "previous_response_id": self.previous_response_id,
-            "store": self.store,
-            "background": self.background,
-            "user": self.user,
-            "created_at": self.created_at,
-            "include": list(self.include),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ResponseRequest:
-        return cls(
-            model=str(data.get("model") or ""),
-            instructions=data.get("instructions"),
-            metadata=dict(data.get("metadata") or {}),
-            previous_response_id=data.get("previous_response_id"),
-            store=data.get("store") is not False,
-            background=data.get("background") is True,
-            user=data.get("user"),
-            created_at=int(data.get("created_at") or 0),
-            include=tuple(data.get("include") or ()),
-        )
-
-
-def response_id(answer_id: str) -> str:
-    return f"resp_{answer_id}"
-
-
-def answer_of(rid: str) -> str:
-    """The answer id of a response id; `NotFound` for anything that is not one of ours."""
-    if not rid.startswith("resp_"):
-        raise _missing(rid)
-    try:
-        return parse_id(rid.removeprefix("resp_"), "response id")
-    except BadRequest:
-        raise _missing(rid) from None
-
-
-def _missing(rid: str) -> NotFound:
-    return NotFound(f"no response with id {rid!r}")
 
 
 def citations_in(text: str, sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -159,22 +86,6 @@ def web_sources(sources: list[dict[str, Any]]) -> list[str]:
         ):
             urls.append(url)
     return urls
-
-
-def _search_step(data: dict[str, Any]) -> dict[str, Any] | None:
-    step = data.get("step")
-    return step if isinstance(step, dict) and step.get("kind") == "search" else None
-
-
-def outcome_of(events: Sequence[Event]) -> list[dict[str, Any]]:
-    """What a response's stream showed that its stored answer does not hold, to be
-    kept with it: its search steps and their notes, and its terminal event (status,
-    usage, images, related questions; or the error)."""
-    return [
-        {"type": e.type, "data": e.data}
-        for e in events
-        if e.terminal or (e.type == "progress" and _search_step(e.data) is not None)
-    ]
 
 
 class ResponseState:
@@ -286,7 +197,7 @@ class ResponseState:
         return self._event("response.output_item.done", output_index=index, item=item)
 
     def _step(self, data: dict[str, Any]) -> list[dict[str, Any]]:
-        step = _search_step(data)
+        step = search_step(data)
         if step is None:
             return []
         if step.get("note"):
@@ -590,6 +501,7 @@ async def create(request: Request) -> Response:
     """`POST /v1/responses`."""
     settings: Settings = request.app.state.settings
     service: ChatService = request.app.state.service
+    responses = Responses(service)
     body = await read_json(request, settings.limits.max_body_bytes)
     chat_request, asked = parse_response_request(body, settings)
     user = client_identity(request, body.get("userId"))
@@ -598,88 +510,19 @@ async def create(request: Request) -> Response:
     )
     previous = None
     if asked.previous_response_id is not None:
-        chat_request, previous = await _continued(
-            service, chat_request, asked.previous_response_id, user
+        chat_request, previous = await responses.continued(
+            chat_request, asked.previous_response_id, user
         )
     await count_request(request)
     handle = await service.start(chat_request)
     state = ResponseState(handle.answer_id, asked)
-    kept = StoredResponse(handle.answer_id, asked.to_json(), previous)
-    try:
-        await service.store.add_response(kept)
-    except AppError as exc:  # the answer runs and is saved: only the echo is lost
-        log.warning("response %s: its request was not kept (%s)", state.id, exc.message)
-    service.chores.spawn(_settle(service, handle, asked.store), name=f"settle-{handle.answer_id}")
+    await responses.keep(handle, asked, previous)
     if body.get("stream") is True:
         return _stream(request, service, handle, state, stop_on_disconnect=not asked.background)
     if asked.background:
         return JSONResponse(state.response())
     answer = await while_connected(request, service, handle, _feed(service, handle, state))
     return JSONResponse(answer.response())
-
-
-async def _continued(
-    service: ChatService, request: ChatRequest, previous: str, user: str
-) -> tuple[ChatRequest, str]:
-    """The request as the next turn after the response `previous` (the user's own:
-    `NotFound` otherwise, as for a response that does not exist), in its chat, with the
-    conversation that led to it as history (`thread`) — so a `previous` that is not the
-    chat's newest answer branches from there, as OpenAI's do; and its answer id."""
-    answer_id = answer_of(previous)
-    answer = await service.store.get_message(answer_id)
-    chat = await service.store.get_chat(answer.chat_id) if answer is not None else None
-    if answer is None or answer.role != "assistant" or chat is None or chat.user_id != user:
-        raise _missing(previous)
-    given = request.history or ()
-    history = (*await thread(service, answer), *given)[-HISTORY_MESSAGES:]
-    return replace(request, chat_id=chat.id, history=history), answer_id
-
-
-async def thread(service: ChatService, answer: StoredMessage) -> list[tuple[str, str]]:
-    """The conversation up to and including `answer` (role, text), at most
-    `HISTORY_MESSAGES`: its question and itself after the conversation of the response
-    it continued, and so on back; a turn that continued none ends it, and one not made
-    here (a chat's own question) continues from the chat's messages before it."""
-    messages = await service.store.list_messages(answer.chat_id)
-    by_id = {m.id: m for m in messages}
-    turns: list[tuple[str, str]] = []
-    current: StoredMessage | None = answer
-    while current is not None and len(turns) < HISTORY_MESSAGES:
-        question = by_id.get(current.reply_to or "")
-        turns[:0] = _said(question, current)
-        kept = await service.store.get_response(current.id)
-        if kept is None:  # continues whatever came before it in the chat
-            first = (question or current).id
-            start = next((i for i, m in enumerate(messages) if m.id == first), 0)
-            turns[:0] = _said(*messages[:start])
-            break
-        current = by_id.get(kept.previous) if kept.previous else None
-    return turns[-HISTORY_MESSAGES:]
-
-
-def _said(*messages: StoredMessage | None) -> list[tuple[str, str]]:
-    """The messages a conversation shows (as `stored_history` keeps them): questions,
-    and answers that completed or were stopped, with text."""
-    return [
-        (m.role, m.content)
-        for m in messages
-        if m is not None
-        and m.content
-        and (m.role == "user" or m.status in ("completed", "cancelled"))
-    ]
-
-
-async def _settle(service: ChatService, handle: Handle, store: bool) -> None:
-    """Once the response has ended: with `store: false` its question and answer are
-    deleted (the rest of their chat stays; an empty chat goes); else what its stream
-    showed beyond the answer's text is kept with the answer (`outcome_of`)."""
-    await service.ended(handle)
-    if not store:
-        await service.store.delete_turn(handle.answer_id)
-        return
-    events = await service.hub.logged(handle.answer_id)
-    if events and events[-1].terminal:
-        await service.store.end_response(handle.answer_id, outcome_of(events))
 
 
 def _stream(
@@ -703,107 +546,46 @@ async def _feed(service: ChatService, handle: Handle, state: ResponseState) -> R
     return state
 
 
-@dataclass(frozen=True, slots=True)
-class Found:
-    """A response the caller owns: its answer, chat and what was kept with it."""
-
-    answer_id: str
-    answer: StoredMessage
-    chat: Chat
-    user: str
-    kept: StoredResponse | None
-
-    @property
-    def asked(self) -> ResponseRequest:
-        """What its request said (as far as it is known: an answer that was not asked
-        through this API, or whose request was not kept, shows its chat's mode)."""
-        if self.kept is not None:
-            return ResponseRequest.from_json(self.kept.request)
-        return ResponseRequest(model=self.chat.focus_mode, created_at=int(self.answer.created_at))
-
-
-async def _found(request: Request) -> tuple[ChatService, Found]:
-    """The service and a response the caller owns; `NotFound` for any other."""
-    service: ChatService = request.app.state.service
-    rid = request.path_params["response_id"]
-    answer_id = answer_of(rid)
+async def _found(request: Request) -> tuple[Responses, Found]:
+    """The responses' service and a response the caller owns; `NotFound` for any other."""
+    responses = Responses(request.app.state.service)
     user = client_identity(request, request.query_params.get("userId"))
-    answer = await service.store.get_message(answer_id)
-    chat = await service.store.get_chat(answer.chat_id) if answer is not None else None
-    if answer is None or answer.role != "assistant" or chat is None or chat.user_id != user:
-        raise _missing(rid)
-    kept = await service.store.get_response(answer_id)
-    return service, Found(answer_id, answer, chat, user, kept)
+    return responses, await responses.find(request.path_params["response_id"], user)
 
 
-async def _state(service: ChatService, found: Found) -> ResponseState:
-    """The response as far as it got: from the generation's log while it is kept, else
-    from the stored answer and what was kept with it."""
-    answer_id, answer = found.answer_id, found.answer
-    state = ResponseState(answer_id, found.asked)
+async def _response(responses: Responses, found: Found) -> Response:
+    """The response as far as it got."""
+    state = ResponseState(found.answer_id, found.asked)
     state.start()
-    logged = await service.hub.logged(answer_id)
-    if logged:
-        for logged_event in logged:
-            state.feed(logged_event)
-        return state
-    chat_id = answer.chat_id
-
-    def event(kind: str, data: dict[str, Any]) -> Event:
-        return Event(kind, chat_id, answer_id, data)
-
-    outcome = found.kept.outcome if found.kept is not None else None
-    kept = [event(e["type"], e["data"]) for e in outcome or ()]
-    stored = [e for e in kept if not e.terminal]
-    sources = _question_sources(await service.store.list_messages(chat_id), answer)
-    stored += [
-        event("sources", {"data": sources}),
-        event("reasoning", {"data": answer.reasoning}),
-        event("message", {"data": answer.content}),
-    ]
-    if kept and kept[-1].terminal:
-        stored.append(kept[-1])
-    elif answer.status == "failed":
-        stored.append(event("error", answer.error or {}))
-    elif answer.status != "streaming":
-        stored.append(event("messageEnd", {"status": answer.status}))
-    for each in stored:
-        state.feed(each)
-    return state
-
-
-def _question_sources(messages: list[StoredMessage], answer: StoredMessage) -> list[dict[str, Any]]:
-    question = next((m for m in messages if m.id == answer.reply_to), None)
-    return question.sources if question is not None else []
+    for event in await responses.events(found):
+        state.feed(event)
+    return JSONResponse(state.response())
 
 
 @openai_errors
 async def retrieve(request: Request) -> Response:
     """`GET /v1/responses/{id}`; `?stream=true&starting_after=N` follows it from event
     N+1 (from any process, while its events are kept)."""
-    service, found = await _found(request)
+    responses, found = await _found(request)
     params = request.query_params
     if params.get("stream") == "true":
         after = params.get("starting_after", "-1")
         if not re.fullmatch(r"-?[0-9]{1,9}", after):
             raise BadRequest("starting_after must be a sequence number")
-        handle = await service.hub.find(found.answer_id)
-        if handle is None:
-            raise NotFound("this response's events are no longer kept: GET it without stream")
+        handle = await responses.running(found)
         state = ResponseState(found.answer_id, found.asked)
-        return _stream(request, service, handle, state, stop_on_disconnect=False, after=int(after))
-    return JSONResponse((await _state(service, found)).response())
+        return _stream(
+            request, responses.service, handle, state, stop_on_disconnect=False, after=int(after)
+        )
+    return await _response(responses, found)
 
 
 @openai_errors
 async def delete(request: Request) -> Response:
     """`DELETE /v1/responses/{id}`: the response's answer and its question (the rest of
     their chat stays; an empty chat goes). `Conflict` while it runs."""
-    service, found = await _found(request)
-    handle = await service.hub.lookup(found.chat.id)
-    if handle is not None and handle.answer_id == found.answer_id:
-        raise Conflict("this response is running: cancel it first")
-    await service.store.delete_turn(found.answer_id)
+    responses, found = await _found(request)
+    await responses.delete(found)
     return JSONResponse(
         {"id": response_id(found.answer_id), "object": "response.deleted", "deleted": True}
     )
@@ -813,13 +595,5 @@ async def delete(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     """`POST /v1/responses/{id}/cancel`: stops it wherever it runs, and answers the
     response once it has ended (or as it is, after `CANCEL_WAIT_SECONDS`)."""
-    service, found = await _found(request)
-    handle = await service.hub.lookup(found.chat.id)
-    if handle is not None and handle.answer_id == found.answer_id:
-        await service.cancel(found.chat.id, found.user)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CANCEL_WAIT_SECONDS):
-                async for _ in service.relay(handle, Events()):
-                    pass
-    fresh = await service.store.get_message(found.answer_id) or found.answer
-    return JSONResponse((await _state(service, replace(found, answer=fresh))).response())
+    responses, found = await _found(request)
+    return await _response(responses, await responses.cancel(found))

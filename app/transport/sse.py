@@ -4,6 +4,11 @@ Each event goes out as `id: <answerMessageId>:<seq>\\ndata: <json>\\n\\n`; a
 `: ping` comment every `server.keepalive_seconds` keeps proxies from closing
 an idle stream. The request is validated before the response starts, so a
 refusal is an HTTP status with a JSON error body.
+
+No block reaches a client's message handler without `data`: clients written like
+`@microsoft/fetch-event-source` hand every blank-line-ended block to user code, so
+`retry:` rides in the first event's block and a ping is a comment line that no
+blank line follows (a comment line inside a block is ignored by every parser).
 """
 
 from __future__ import annotations
@@ -15,15 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..events import Event, Handle
-from ..protocol import (
-    FORMATS,
-    Encoder,
-    TokenJson,
-    parse_chat_request,
-    parse_id,
-    render,
-    render_start,
-)
+from ..ids import parse_id
+from ..protocol import FORMATS, Encoder, TokenJson, parse_chat_request, render, render_start
 from .http import (
     client_identity,
     count_request,
@@ -34,31 +32,44 @@ from .http import (
 )
 from .streaming import StreamResponse
 
-PING = b": ping\n\n"
+PING = b": ping\n"
 
 
 class SseEncoder(Encoder[bytes]):
     """Events as SSE bytes, one chunk per batch; an upstream keep-alive becomes a
-    ping comment. Every stream opens with `retry:` (how long a browser's EventSource
-    waits before it reconnects)."""
+    ping comment. The first event's block carries `retry:` (how long a browser's
+    EventSource waits before it reconnects), on a resume too."""
 
     name = "sse"
 
     def __init__(self, fmt: str, retry_ms: int = 2000) -> None:
         self.format = fmt
-        self.retry = b"retry: %d\n\n" % retry_ms
+        self._retry: bytes | None = b"retry: %d\n" % retry_ms  # until the first event
         self._tokens = TokenJson() if fmt == "default" else None
 
     def preamble(self, handle: Handle) -> bytes | None:
         start = render_start(handle, self.format)
         if start is None:
-            return self.retry
-        return self.retry + b"data: %s\n\n" % orjson.dumps(start)
+            return None
+        retry, self._retry = self._retry or b"", None
+        return retry + b"data: %s\n\n" % orjson.dumps(start)
 
     def encode(self, events: Sequence[Event]) -> bytes | None:
+        if self._retry is not None:
+            return self._first(events)
         if len(events) == 1:  # at a model's pace, the usual batch
             return self._one(events[0]) or None
         return b"".join([self._one(event) for event in events]) or None
+
+    def _first(self, events: Sequence[Event]) -> bytes | None:
+        """The batch with `retry:` put into its first event's block, if it has one."""
+        blocks = [self._one(event) for event in events]
+        for i, block in enumerate(blocks):
+            if block.startswith(b"id: "):
+                blocks[i] = (self._retry or b"") + block
+                self._retry = None
+                break
+        return b"".join(blocks) or None
 
     def _one(self, event: Event) -> bytes:
         if not event.seq:

@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..chores import cancel_and_wait
 from ..errors import AppError, BadRequest, RateLimited
 from ..events import Event, Handle
+from ..ids import parse_id
 from ..protocol import (
     Encoder,
     TokenJson,
@@ -29,7 +30,6 @@ from ..protocol import (
     loads,
     parse_chat_request,
     parse_control,
-    parse_id,
     render,
     render_start,
 )

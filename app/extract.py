@@ -1,9 +1,10 @@
-"""Text out of an uploaded file, page by page: PDF (pypdf), DOCX (python-docx), HTML
-(the reader's main-text extractor), plain text and Markdown.
+"""Text out of a file, page by page: PDF (pypdf), DOCX (python-docx), HTML (its main
+text, as the page reader takes it too: `extract_main_text`), plain text and Markdown;
+for uploads and knowledge collections alike, and chunked by tokens (`chunk_pages`).
 
 Extraction is CPU work on input nobody vetted, so it never runs in the server's
 process: `extract()` runs this module as a child process (`python -m
-app.files.extract`), with the file on stdin, a CPU-time limit, an address-space
+app.extract`), with the file on stdin, a CPU-time limit, an address-space
 limit and a lower priority than the server's (on a shared core, streams go
 first), and kills it at the deadline. A zip bomb, a PDF that loops, a crash —
 each costs one child, never the event loop or the server.
@@ -24,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import BadRequest
+from .errors import BadRequest
 
 #: extension → what it is read as
 KINDS = {
@@ -42,6 +43,9 @@ DOCX_RATIO = 200  # … or that unpacks to more than this many times its size
 
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
+#: what a page's main text is read without
+_DROP = "script, style, noscript, template, svg, nav, header, footer, aside, form, iframe, button"
+_BLANKS = re.compile(r"\n{3,}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +183,7 @@ async def extract_many(
 
 
 async def run_child(args: Sequence[str], data: list[bytes], timeout: float) -> Any:
-    """The JSON that `python -m app.files.extract ARGS` writes for `data` (joined) on its
+    """The JSON that `python -m app.extract ARGS` writes for `data` (joined) on its
     stdin; raises `TimeoutError` (the child killed) after `timeout` s, and
     `orjson.JSONDecodeError` when the child wrote no JSON (it crashed). Joining the
     input and decoding the answer happen in the thread too: for a batch they are
@@ -203,7 +207,7 @@ def _run_child(
     args: list[str], data: list[bytes], timeout: float, started: list[subprocess.Popen[bytes]]
 ) -> Any:
     child = subprocess.Popen(
-        [sys.executable, "-m", "app.files.extract", *args],
+        [sys.executable, "-m", "app.extract", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -276,8 +280,6 @@ def read(kind: str, data: bytes, max_pages: int) -> list[str]:
         return [read_docx(data)]
     text = decode(data)
     if kind == "html":
-        from ..search.reader import extract_main_text
-
         return [extract_main_text(text)]
     return [text]
 
@@ -316,6 +318,22 @@ def read_docx(data: bytes) -> str:
         for row in table.rows:
             parts.append(" | ".join(cell.text for cell in row.cells))
     return "\n".join(parts)
+
+
+def extract_main_text(html: str) -> str:
+    """The readable text of a page: its title, then `<article>`/`<main>` (else the
+    body) without scripts, navigation, headers, footers and forms."""
+    from selectolax.lexbor import LexborHTMLParser
+
+    tree = LexborHTMLParser(html)
+    title_node = tree.css_first("title")
+    title = title_node.text(strip=True) if title_node else ""
+    for node in tree.css(_DROP):
+        node.decompose()
+    root = tree.css_first("article") or tree.css_first("main") or tree.body
+    text = root.text(separator="\n", strip=True) if root else ""
+    text = _BLANKS.sub("\n\n", text)
+    return f"{title}\n\n{text}".strip() if title and not text.startswith(title) else text
 
 
 def decode(data: bytes) -> str:

@@ -19,8 +19,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
-from .llm import Delta, Message, ToolsUnsupported, ToolTurn
-from .prompts import Prompts
+from ..prompts import Prompts
+from .errors import ToolsUnsupported
+from .wire import Delta, Message, ToolTurn
 
 DEMO = "demo"
 #: seconds between two pieces of a streamed answer (about 25 words a second)

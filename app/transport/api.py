@@ -3,47 +3,38 @@
 from __future__ import annotations
 
 import html
-import math
-from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.datastructures import FormData, MutableHeaders, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.datastructures import MutableHeaders, UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .chat.service import ChatService
-from .demo import is_demo
-from .errors import BadRequest, NotFound
-from .events import FOCUS_MODES
-from .files.extract import kind_of
-from .files.service import clean_name
-from .protocol import (
-    FORMATS,
-    OPTIMIZATION_MODES,
-    is_number,
-    parse_control,
-    parse_history,
-    parse_id,
-    parse_messages,
-)
-from .search.web import choose_provider, search_problem
-from .store import Chat, FileRecord, StoredMessage
-from .store.base import iso
-from .transport.http import (
+from ..chat.records import Chat, FileRecord, StoredMessage, iso
+from ..chat.service import ChatService
+from ..errors import BadRequest, NotFound
+from ..events import FOCUS_MODES
+from ..extract import kind_of
+from ..files.service import clean_name
+from ..ids import is_number, parse_id
+from ..model import is_demo
+from ..protocol import FORMATS, OPTIMIZATION_MODES, parse_control, parse_history, parse_messages
+from ..search.web import choose_provider, search_problem
+from .http import (
     ANONYMOUS,
+    MAX_FILES_PER_UPLOAD,
     client_identity,
     count_request,
     error_response,
     json_errors,
+    read_form,
     read_json,
 )
-from .transport.perplexica import settings_view
+from .perplexica import settings_view
 
-WEB_INDEX = Path(__file__).resolve().parent / "web" / "index.html"
+WEB_INDEX = Path(__file__).resolve().parent.parent / "web" / "index.html"
 
 #: on every HTML page the server makes: no inline script, no framing, no sniffing
 HTML_HEADERS = {
@@ -245,38 +236,6 @@ async def cancel(request: Request) -> Response:
     )
 
 
-@json_errors
-async def usage(request: Request) -> Response:
-    """`GET /api/usage?userId=&since=`: what the user's answers cost, per model and in
-    all (tokens as the model counted them, or estimated where it did not)."""
-    return JSONResponse(await usage_json(request, _user(request)))
-
-
-async def usage_json(request: Request, user_id: str) -> dict[str, Any]:
-    """What `user_id`'s answers since `?since=` (Unix seconds) cost, as `/api/usage` says."""
-    since_text = request.query_params.get("since", "0")
-    try:
-        since = float(since_text)
-    except ValueError as exc:
-        raise BadRequest("since must be Unix seconds") from exc
-    if not math.isfinite(since):
-        raise BadRequest("since must be Unix seconds")
-    rows = await _service(request).usage(user_id, since)
-    total = {
-        key: sum(row.to_json()[key] for row in rows)
-        for key in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "total_tokens")
-    }
-    return {
-        "userId": user_id,
-        "since": since,
-        "models": [
-            {"model": r.model, "answers": r.answers, "estimated": r.estimated, **r.to_json()}
-            for r in rows
-        ],
-        "total": {"answers": sum(r.answers for r in rows), **total},
-    }
-
-
 async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -323,8 +282,6 @@ async def web_client(request: Request) -> Response:
 
 
 # -- uploads ------------------------------------------------------------------------------
-
-MAX_FILES_PER_UPLOAD = 10
 
 
 @json_errors
@@ -375,33 +332,6 @@ async def upload(request: Request) -> Response:
         },
         status_code=200 if wait else 202,
     )
-
-
-async def read_form(
-    request: Request, limit: int, max_files: int = MAX_FILES_PER_UPLOAD
-) -> FormData:
-    """A multipart body of at most `limit` bytes and `max_files` files (413 past the
-    size, read to its end first)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and is_number(declared) and int(declared) > limit:
-        await read_json(request, limit)  # reads it to its end, then says 413
-    size = 0
-
-    async def bounded() -> AsyncGenerator[bytes, None]:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BadRequest(f"upload is larger than {limit} bytes", status=413)
-            yield chunk
-
-    if "multipart/form-data" not in request.headers.get("content-type", ""):
-        raise BadRequest("send the files as multipart/form-data", status=415)
-    try:
-        parser = MultiPartParser(request.headers, bounded(), max_files=max_files, max_fields=20)
-        return await parser.parse()
-    except MultiPartException as exc:
-        raise BadRequest(f"the upload is not valid multipart: {exc.message}") from exc
 
 
 @json_errors

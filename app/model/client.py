@@ -1,0 +1,423 @@
+"""The one place that talks to the model (any OpenAI-compatible `/chat/completions`).
+
+Streaming reads the raw SSE lines of the response and decodes them with
+`wire.AnswerDecoder`; the SDK's parsed stream costs several times more CPU per
+chunk, and the per-token path decides how many streams a core can carry. The
+answer's stream (`stream`, `answer`) is read by `upstream.StreamingClient` when the
+model is reached directly (its headers and errors the SDK's), else (a proxy)
+through the SDK's client; everything else goes through the SDK.
+
+Errors: `ModelError` (CHAT_ERROR) when the model cannot be reached,
+`StreamError` (STREAM_ERROR) when it answers non-2xx or the stream breaks or
+carries a malformed chunk, `ConfigError` when no model is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, cast
+from urllib.parse import urlsplit
+
+import httpx2
+import openai
+import orjson
+
+from ..config import LLMSettings
+from ..errors import ConfigError, ModelError, StreamError
+from .errors import (
+    ContextTooLong,
+    ToolsUnsupported,
+    model_errors,
+    refuses_tools,
+    retry_after,
+    stalled,
+    status_detail,
+)
+from .tokens import OPEN_LEFT_OUT, REASONING, REASONING_TOKENS
+from .upstream import Redirected, StreamedResponse, StreamingClient, usable_for
+from .wire import (
+    AnswerDecoder,
+    Delta,
+    Message,
+    ThinkSplitter,
+    ToolCall,
+    ToolTurn,
+    split_think,
+    tool_delta,
+)
+
+log = logging.getLogger("app.llm")  # the model's log lines keep one name
+
+
+class ChatModel(Protocol):
+    """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
+    model (`app.model.demo`), chosen by `llm.base_url` (`open_model`)."""
+
+    @property
+    def configured(self) -> bool: ...
+
+    def stream(
+        self, messages: Sequence[Message], *, model: str | None = None
+    ) -> AsyncIterator[Delta]: ...
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        """What `stream` yields, handed to `sink` as it comes; returns at the end."""
+        ...
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+    ) -> str: ...
+
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """One streamed request with `tools` (OpenAI's format), read to its end: the
+        text and the calls. `ToolsUnsupported` when the request is refused for its tools."""
+        ...
+
+    async def probe(self) -> str | None:
+        """Why the model cannot be used at all (not reachable, its key refused), in
+        words for a person; None when it answers."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+PROBE_SECONDS = 10.0
+
+
+class LLMClient:
+    """Streams and completes chat requests; one instance per app, closed with `aclose()`."""
+
+    def __init__(self, settings: LLMSettings) -> None:
+        self.settings = settings
+        self.host = urlsplit(settings.base_url).hostname or ""
+        #: models seen to leave the opening `<think>` out (for this process)
+        self.open_left_out: set[str] = set()
+        #: models seen to reason (for this process): their short calls get room for it
+        self.reasoners: set[str] = set()
+        self._client: openai.AsyncOpenAI | None = None
+        self._streaming: StreamingClient | None = None
+        if settings.api_key:
+            timeout = openai.Timeout(
+                settings.timeout_seconds,
+                connect=settings.connect_timeout_seconds,
+                read=settings.read_timeout_seconds,
+            )
+            self._client = openai.AsyncOpenAI(
+                base_url=settings.base_url,
+                api_key=settings.api_key,
+                max_retries=0,
+                timeout=timeout,
+                # aiohttp's C parser reads the stream for a fraction of the CPU
+                http_client=openai.DefaultAioHttpClient(timeout=timeout),
+            )
+            if usable_for(self._client, settings.base_url):
+                self._streaming = streaming_client(self._client, settings)
+
+    @property
+    def configured(self) -> bool:
+        return self._client is not None
+
+    def _require(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)")
+        return self._client
+
+    async def stream(
+        self, messages: Sequence[Message], *, model: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """Yield the answer's deltas as they arrive (see `answer`, which hands them to
+        a function instead, for a cheaper token).
+
+        Closing the iterator (or cancelling the task that reads it) closes the
+        upstream HTTP response, which is how a cancel stops the spend.
+        `<think>…</think>` inside `content` is split out into reasoning.
+        """
+        client = self._require()
+        name = model or self.settings.model
+        out: list[Delta] = []
+        decoder = AnswerDecoder(out.append, self._splitter(name))
+        with model_errors("model", self.host):
+            async with self._open_stream(client, messages, model) as response:
+                chunks = body_reader(response)
+                try:
+                    async for data in chunks:
+                        try:
+                            done = decoder.feed(data)
+                        except StreamError:
+                            for delta in out:  # what came before the bad chunk
+                                yield delta
+                            raise
+                        if out:
+                            for delta in out:
+                                yield delta
+                            out.clear()
+                        if done:
+                            if isinstance(chunks, StreamedResponse):
+                                chunks.finish()  # the connection may serve another
+                            break
+                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
+                    raise stalled(exc) from exc
+        for delta in decoder.end():
+            yield delta
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        """The answer's deltas handed to `sink` as they arrive; returns at its end.
+
+        On a direct connection to the model (`StreamingClient`) the stream is parsed,
+        and `sink` called, in the callback that read it from the socket — no task is
+        woken per token; otherwise the deltas come as `stream` yields them. What
+        `sink` raises ends the stream with it. Cancelling is safe: it closes the
+        upstream response, as closing `stream` does."""
+        client = self._require()
+        name = model or self.settings.model
+        decoder = AnswerDecoder(sink, self._splitter(name))
+        with model_errors("model", self.host):
+            async with self._open_stream(client, messages, model) as response:
+                try:
+                    if isinstance(response, StreamedResponse):
+                        await response.pump(decoder.feed)
+                    else:
+                        async for data in body_reader(response):
+                            if decoder.feed(data):
+                                break
+                except TimeoutError as exc:
+                    raise stalled(exc) from exc
+        for delta in decoder.end():
+            sink(delta)
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    def _splitter(self, name: str) -> ThinkSplitter:
+        return ThinkSplitter(
+            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
+        )
+
+    def _learn(self, name: str, *, lone_close: bool, reasoned: bool) -> None:
+        """Remember what a model's answer showed of it: that it leaves the opening
+        `<think>` out (its next answers are split from their start), that it reasons."""
+        if lone_close and name not in self.open_left_out:
+            log.info(
+                "model %s leaves the opening <think> out: its answers are split from their start",
+                name,
+            )
+            self.open_left_out.add(name)
+        if (reasoned or lone_close) and name not in self.reasoners:
+            self.reasoners.add(name)
+
+    def reasons(self, name: str) -> bool:
+        """Whether `name` is a reasoning model: its name says so, or it was seen to."""
+        return name in self.reasoners or bool(REASONING.search(name))
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(
+        self, client: openai.AsyncOpenAI, messages: Sequence[Message], model: str | None
+    ) -> AsyncIterator[Any]:
+        """The streamed response, opened; a 429 is retried once (after its Retry-After,
+        at most `RETRY_AFTER_CAP` seconds) — only here, before the first token."""
+        for attempt in range(2):
+            try:
+                body = {
+                    "model": model or self.settings.model,
+                    "messages": list(messages),
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                response: StreamedResponse | httpx2.Response
+                try:
+                    if self._streaming is None:
+                        raise Redirected
+                    response = await self._streaming.post("/chat/completions", orjson.dumps(body))
+                except Redirected:  # a redirect is the SDK's to follow, as before
+                    response = await _post_chat(client, body, stream=True)
+                try:
+                    yield response
+                finally:
+                    await response.aclose()
+                return
+            except openai.RateLimitError as exc:
+                if attempt:
+                    raise
+                await asyncio.sleep(retry_after(exc))
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+    ) -> str:
+        """One non-streaming completion (rewrite, title, ranking, suggestions): its text,
+        without its reasoning — `<think>…</think>`, or everything up to a lone
+        `</think>` (a template that leaves the opening tag out, as `stream` splits it).
+        A reasoning model's reasoning counts against `max_tokens`: it is given
+        `REASONING_TOKENS` more, so that a short answer is not left empty."""
+        client = self._require()
+        name = model or self.settings.effective_small_model
+        with model_errors("model", self.host):
+            async with asyncio.timeout(timeout):
+                request: dict[str, Any] = {"model": name, "messages": list(messages)}
+                if max_tokens:
+                    extra = REASONING_TOKENS if self.reasons(name) else 0
+                    request["max_tokens"] = max_tokens + extra
+                response = await _post_chat(client, request, stream=False)
+                body = orjson.loads(await response.aread())
+        try:
+            message = body["choices"][0]["message"]
+            text = message.get("content") or ""
+            apart = bool(message.get("reasoning_content") or message.get("reasoning"))
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise StreamError("the model's answer has no choices[0].message") from exc
+        reasoning, content, lone = split_think(text)
+        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
+        return content.strip()
+
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """Streamed, so that a cancel closes the request at once and a proxy that cuts
+        quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
+        `index`, several calls in one answer) are put together as they come."""
+        client = self._require()
+        name = model or self.settings.model
+        body = {
+            "model": name,
+            "messages": list(messages),
+            "tools": list(tools),
+            "tool_choice": "auto",
+            "stream": True,
+        }
+        content: list[str] = []
+        calls: dict[int, list[str]] = {}  # index → [id, name, arguments]
+        try:
+            with model_errors("model", self.host):
+                response = await _post_chat(client, body, stream=True)
+                try:
+                    buffer = b""
+                    async for data in body_reader(response):
+                        buffer += data
+                        *lines, buffer = buffer.split(b"\n")
+                        for line in lines:
+                            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                                tool_delta(line[5:].strip(), content, calls)
+                finally:
+                    await response.aclose()
+        except StreamError as exc:
+            cause = exc.__cause__
+            if (
+                isinstance(cause, openai.APIStatusError)
+                and not isinstance(exc, ContextTooLong)
+                and refuses_tools(cause.status_code, status_detail(cause))
+            ):
+                raise ToolsUnsupported("the model does not take tools") from exc
+            raise
+        reasoning, text, lone = split_think("".join(content))
+        self._learn(name, lone_close=lone, reasoned=bool(reasoning))
+        # every call has an id, unique in its turn: the tool answers sent back name it
+        made, seen = [], set()
+        for index, (call_id, function, arguments) in sorted(calls.items()):
+            call_id = call_id if call_id and call_id not in seen else f"call-{index}"
+            seen.add(call_id)
+            made.append(ToolCall(call_id, function, arguments))
+        return ToolTurn(text.strip(), tuple(made))
+
+    async def probe(self) -> str | None:
+        """Ask the model server for its models (`GET /models`): any answer but a
+        refused key means it can be reached (some servers have no such route)."""
+        client = self._require()
+        try:
+            with model_errors("model", self.host):
+                try:
+                    async with asyncio.timeout(PROBE_SECONDS):
+                        await client.get("/models", cast_to=httpx2.Response)
+                except openai.APIStatusError as exc:  # it answered: only a key refused counts
+                    if exc.status_code not in (401, 403):
+                        return None
+                    raise
+        except (ModelError, StreamError) as exc:
+            return exc.message
+        return None
+
+    async def aclose(self) -> None:
+        if self._streaming is not None:
+            await self._streaming.aclose()
+        if self._client is not None:
+            await self._client.close()
+
+
+def streaming_client(client: openai.AsyncOpenAI, settings: LLMSettings) -> StreamingClient:
+    """The reader of the answer's stream, with the SDK's headers (its auth included),
+    its errors, its TLS context and the model's timeouts."""
+    headers = {
+        name: value
+        for name, value in {**client.default_headers, **client.auth_headers}.items()
+        if isinstance(value, str)
+    }
+    return StreamingClient(
+        settings.base_url,
+        headers=headers,
+        make_status_error=client._make_status_error_from_response,
+        connect_timeout=settings.connect_timeout_seconds,
+        read_timeout=settings.read_timeout_seconds,
+        pool_timeout=settings.timeout_seconds,
+        ssl_context=httpx2.create_ssl_context(trust_env=True),
+    )
+
+
+async def _post_chat(
+    client: openai.AsyncOpenAI, body: dict[str, Any], *, stream: bool
+) -> httpx2.Response:
+    """POST /chat/completions through the SDK's client (its retries, headers and
+    errors: a non-2xx answer raises as from `create`), with a body we built: the
+    SDK's `create` first walks every message against its typed parameters, ~0.6 ms
+    a request here for a body it leaves as it was. The response is the HTTP one,
+    its body unread when `stream`; the caller closes it."""
+    return await client.post("/chat/completions", cast_to=httpx2.Response, body=body, stream=stream)
+
+
+def body_reader(http: Any) -> AsyncIterable[bytes]:
+    """The bytes of a streamed response, read as close to the socket as it allows:
+    a `StreamedResponse` is its own reader; of the SDK's HTTP response, with
+    nothing content-encoded, the aiohttp response's
+    own reader under the SDK's transport (one call per read instead of three
+    async-generator layers; the SDK's response still closes it), else the
+    transport's stream, else the response's decoded bytes."""
+    if isinstance(http, StreamedResponse):
+        return http
+    if http.headers.get("content-encoding", "identity") != "identity":
+        return cast(AsyncIterable[bytes], http.aiter_bytes())
+    stream = http.stream
+    below = getattr(getattr(stream, "_stream", None), "_aiohttp_response", None)
+    if below is not None:
+        return cast(AsyncIterable[bytes], below.content.iter_any())
+    return cast(AsyncIterable[bytes], stream)

@@ -1,0 +1,273 @@
+"""The model's streamed answer, decoded: `text/event-stream` bytes in, typed deltas
+out (`AnswerDecoder`), `<think>…</think>` split out of the text (`ThinkSplitter`), a
+tool turn's chunks put together (`tool_delta`). No sockets, no event loop: the
+client (`client.py`) feeds it what it reads, in the read's own callback, so every
+token costs one `feed` and no more.
+
+Raises `StreamError` for a chunk that cannot be read or an error reported mid-stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..errors import StreamError
+from .errors import redact
+
+log = logging.getLogger("app.llm")  # the model's log lines keep one name
+
+Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class Delta:
+    """A piece of the model's answer: `reasoning`, `content` or `keepalive`; or, last,
+    `usage`: the tokens the model counted (`usage` holds its `usage` object). Not
+    frozen, like `Event`: one is made per token."""
+
+    kind: str
+    text: str = ""
+    usage: dict[str, Any] | None = None
+
+
+KEEPALIVE = Delta("keepalive")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the model asked for; `arguments` as it sent them (JSON text,
+    perhaps broken: the caller parses it tolerantly)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolTurn:
+    """What the model answered to a request with tools: text, and the calls it made."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+
+
+class AnswerDecoder:
+    """The model's streamed answer (`text/event-stream` bytes, as they come) turned
+    into deltas handed to `sink`: one `feed` per read. A `: keep-alive` comment is a
+    `keepalive` delta; `data: [DONE]` ends it (`feed` says so)."""
+
+    __slots__ = ("sink", "splitter", "buffer", "received", "done")
+
+    def __init__(self, sink: Callable[[Delta], None], splitter: ThinkSplitter) -> None:
+        self.sink = sink
+        self.splitter = splitter
+        self.buffer = b""
+        self.received = False
+        self.done = False
+
+    def feed(self, data: bytes) -> bool:
+        """Take one read's bytes; whether the answer has ended (`[DONE]`). Raises
+        `StreamError` for a chunk that cannot be read, and what `sink` raises."""
+        if self.done:
+            return True
+        if b"\n" not in data:
+            self.buffer += data
+            return False
+        if self.buffer:
+            data, self.buffer = self.buffer + data, b""
+        *lines, rest = data.split(b"\n")
+        if rest:
+            self.buffer = rest
+        sink, splitter = self.sink, self.splitter
+        for line in lines:
+            if not line or line == b"\r":
+                continue
+            if line[0] == 58:  # b":" a comment
+                if b"keep-alive" in line:
+                    sink(KEEPALIVE)
+                continue
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            self.received = True
+            if payload == b"[DONE]":
+                self.done = True
+                return True
+            for delta in _decode_chunk(payload, splitter):
+                sink(delta)
+        return False
+
+    def end(self) -> list[Delta]:
+        """What the splitter still holds, once the stream is over; `StreamError` for a
+        stream that held no answer at all."""
+        if not self.received:
+            raise StreamError("the model sent an empty answer")
+        return self.splitter.flush()
+
+
+def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
+    try:
+        chunk = orjson.loads(payload)
+        choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if choices and usage is None:  # the common case: one piece of the answer
+            delta = choices[0].get("delta") or {}
+            content = delta.get("content")
+            if content and not (delta.get("reasoning_content") or delta.get("reasoning")):
+                return splitter.feed(content)
+        if "error" in chunk and not choices:
+            error = chunk["error"]
+            detail = error.get("message") if isinstance(error, dict) else error
+            log.warning("the model reported an error mid-stream: %s", redact(str(detail)))
+            raise StreamError("the model reported an error mid-stream")
+        counted = [Delta("usage", usage=usage)] if isinstance(usage, dict) else []
+        if not choices:
+            return counted
+        delta = choices[0].get("delta") or {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        content = delta.get("content")
+    except StreamError:
+        raise
+    except (orjson.JSONDecodeError, AttributeError, TypeError, IndexError) as exc:
+        log.warning("the model sent a malformed chunk (%d bytes)", len(payload))
+        raise StreamError("the model sent a malformed chunk") from exc
+    out: list[Delta] = []
+    if reasoning:
+        splitter.reasoning_apart()
+        out.append(Delta("reasoning", reasoning))
+    if content:
+        out.extend(splitter.feed(content))
+    return out + counted
+
+
+def tool_delta(payload: bytes, content: list[str], calls: dict[int, list[str]]) -> None:
+    """Add one chunk of a tool turn to its text and calls."""
+    try:
+        chunk = orjson.loads(payload)
+        delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+        if delta.get("content"):
+            content.append(delta["content"])
+        for piece in delta.get("tool_calls") or ():
+            parts = calls.setdefault(int(piece.get("index", len(calls))), ["", "", ""])
+            function = piece.get("function") or {}
+            parts[0] = piece.get("id") or parts[0]
+            parts[1] = function.get("name") or parts[1]
+            parts[2] += function.get("arguments") or ""
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise StreamError("the model sent a malformed chunk") from exc
+
+
+class ThinkSplitter:
+    """Splits `<think>…</think>` out of content chunks, tags cut across chunks included.
+
+    Some templates (DeepSeek-R1's, served by llama.cpp or vLLM; Qwen3's thinking
+    models) leave the opening tag out: the content begins with reasoning and has a
+    lone `</think>`. With `assume_open` (a model known to do so) the content starts as
+    reasoning, and turns out to have been the answer only if no `</think>` comes.
+    Without it, nothing is held back — a chunk costs what it did — so the reasoning
+    before a lone `</think>` has already gone out as text when the tag comes: the tag
+    is taken out of the text and reported (`lone_close`), and the caller remembers the
+    model so that its next answers are split from their start. (Holding back every
+    answer's text until it is known to be no reasoning would hold back whole answers
+    of every model that never reasons.) A model that sends its reasoning apart
+    (`reasoning_content`) is not assumed anything of (`reasoning_apart`)."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, *, assume_open: bool = False) -> None:
+        self.inside = assume_open
+        self.assumed = assume_open
+        self.tagged = False  # a tag was seen
+        self.lone_close = False
+        self._pending = ""
+        self._assumed_text: list[str] = []
+
+    def reasoning_apart(self) -> None:
+        if self.assumed and not self.tagged and not self._assumed_text:
+            self.inside = self.assumed = False
+
+    def feed(self, text: str) -> list[Delta]:
+        if not self._pending and "<" not in text:  # the common case: nothing to look at
+            if self.assumed and not self.tagged:
+                self._assumed_text.append(text)
+            return [Delta("reasoning" if self.inside else "content", text)]
+        text = self._pending + text
+        self._pending = ""
+        out: list[Delta] = []
+        while text:
+            if self.assumed and not self.tagged and text.lstrip().startswith(self.OPEN):
+                text = text.lstrip()[len(self.OPEN) :]  # it was not left out after all
+                self.tagged = True
+                continue
+            tags = [self.CLOSE] if self.inside else [self.OPEN]
+            if not self.inside and not self.tagged:
+                tags.append(self.CLOSE)  # a lone closing tag
+            found = min(((text.find(t), t) for t in tags if t in text), default=None)
+            if found is not None:
+                index, tag = found
+                if index:
+                    out.append(Delta("reasoning" if self.inside else "content", text[:index]))
+                if tag == self.CLOSE and not self.inside:
+                    self.lone_close = True
+                else:
+                    self.inside = not self.inside
+                self.tagged = True
+                text = text[index + len(tag) :]
+                continue
+            if self.assumed and not self.tagged and not self._assumed_text:
+                tags.append(self.OPEN)  # the tag may come after all, cut across chunks
+            keep = max(_partial_suffix(text, t) for t in tags)
+            if keep:
+                self._pending = text[-keep:]
+                text = text[:-keep]
+            if text:
+                if self.assumed and not self.tagged:
+                    self._assumed_text.append(text)
+                out.append(Delta("reasoning" if self.inside else "content", text))
+            break
+        return out
+
+    def flush(self) -> list[Delta]:
+        pending, self._pending = self._pending, ""
+        out = [Delta("reasoning" if self.inside else "content", pending)] if pending else []
+        if self.assumed and not self.tagged:
+            # no `</think>` came: what was taken for reasoning was the answer
+            out.append(Delta("content", "".join(self._assumed_text) + pending))
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`."""
+    start = text.rfind("<", max(0, len(text) - len(tag) + 1))
+    if start < 0:
+        return 0
+    tail = text[start:]
+    return len(tail) if tag.startswith(tail) else 0
+
+
+def split_think(text: str) -> tuple[str, str, bool]:
+    """A whole completion's (reasoning, text, whether its `</think>` was lone). Whole,
+    it can be split as a stream cannot: a lone `</think>` (its opening tag left out)
+    means that everything up to the last one is reasoning."""
+    close = text.rfind(ThinkSplitter.CLOSE)
+    if close >= 0:
+        first = text.find(ThinkSplitter.CLOSE)
+        if ThinkSplitter.OPEN not in text[:first]:
+            return text[:close], text[close + len(ThinkSplitter.CLOSE) :], True
+    splitter = ThinkSplitter()
+    parts = splitter.feed(text) + splitter.flush()
+    return (
+        "".join(d.text for d in parts if d.kind == "reasoning"),
+        "".join(d.text for d in parts if d.kind == "content"),
+        False,
+    )
+
+
+def strip_think(text: str) -> str:
+    """A whole completion without its reasoning (for small-model answers)."""
+    return split_think(text)[1]
