@@ -34,5 +34,7 @@ bash scripts/real_model.sh >/dev/null
 .venv/bin/ruff check app tests bench
 .venv/bin/ruff format --check --quiet app tests bench
 .venv/bin/mypy
-site=$(mktemp -d) && NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site" && rm -rf "$site"
+site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 exec .venv/bin/python -m pytest "$@"
