@@ -35,6 +35,6 @@ bash scripts/real_model.sh >/dev/null
 .venv/bin/ruff format --check --quiet app tests bench
 .venv/bin/mypy
 site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 rm -rf "$site"
 exec .venv/bin/python -m pytest "$@"
