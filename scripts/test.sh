@@ -4,14 +4,14 @@
 # on loopback (redis-server — one Redis, a Redis Cluster, and `redis-server --sentinel`
 # for Redis Sentinel —, PostgreSQL, nginx) or drive (Debian's Chromium, through
 # Playwright — never Playwright's own browser download), then ruff, mypy (strict,
-# on app/) and pytest.
+# on app/), the docs site (mkdocs build --strict: no broken link) and pytest.
 # Extra arguments go to pytest: scripts/test.sh -k cancel -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,docs]'
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -34,4 +34,7 @@ bash scripts/real_model.sh >/dev/null
 .venv/bin/ruff check app tests bench
 .venv/bin/ruff format --check --quiet app tests bench
 .venv/bin/mypy
+site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
+rm -rf "$site"
 exec .venv/bin/python -m pytest "$@"

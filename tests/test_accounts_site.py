@@ -1,5 +1,5 @@
-"""The README's "The Perplexica UI with accounts", run as written: Debian's nginx with the
-README's block serves a UI at `/` (a stand-in that asks as the Perplexica UI does: fetches
+"""The "The Perplexica UI with accounts" section of docs/security.md, run as written: Debian's nginx with the
+its nginx block serves a UI at `/` (a stand-in that asks as the Perplexica UI does: fetches
 to `/api/…`, a WebSocket on `/`, no credentials of its own) and the server behind it;
 in headless Chromium the UI is refused until its visitor signs in at `/signin`, then
 works with the session cookie."""
@@ -23,7 +23,7 @@ from starlette.routing import Route
 from app.main import create_app
 from tests.servers import ServerThread, chromium, free_port, serve, wait_for_port
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
 #: what the stand-in UI does on load, as the Perplexica UI does: list the chats, ask for
 #: suggestions (a POST), then ask a question over a WebSocket on `/`
@@ -51,8 +51,10 @@ ws.onclose = (e) => { out.closed = e.code; out.done = true; show(); };
 
 
 def readme_site_block() -> str:
-    blocks = re.findall(r"```nginx accounts\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) == 1, "the README has one nginx block for the UI with accounts"
+    blocks = re.findall(
+        r"```nginx title=\"the UI and the server on one site\"\n(.*?)```", README.read_text(), re.S
+    )
+    assert len(blocks) == 1, "docs/security.md has one nginx block for the UI with accounts"
     return blocks[0]
 
 
@@ -86,7 +88,7 @@ def nginx(block: str, port: int) -> Iterator[None]:
 
 @pytest.fixture
 def site(settings) -> Iterator[str]:
-    """nginx on a free loopback port with the README's block (TLS taken out, its
+    """nginx on a free loopback port with the page's block (TLS taken out, its
     upstreams pointed here), the server and the stand-in UI behind it."""
 
     async def ui(request: Request) -> HTMLResponse:

@@ -387,7 +387,7 @@ def test_copy_regenerate_and_edit_an_answer(open_page, fake_model):
     assert page.locator(".turn .question").all_inner_texts() == ["second #tokens=2"]
 
 
-def test_related_questions_under_the_last_answer(page, fake_model):
+def test_related_questions_under_each_answer(page, fake_model):
     ask(page, "what is it #tokens=2", focus="deepSeek")
     wait_state(page, "completed")
     related = page.locator(".turn .related li")
@@ -402,7 +402,7 @@ def test_related_questions_under_the_last_answer(page, fake_model):
     wait_state(page, "completed", nth=1)
     assert last(page, ".turn .question").inner_text() == "What is next?"
     page.wait_for_selector(".turn:last-child .related li")
-    assert page.locator(".turn:first-child .related").is_hidden()
+    assert page.locator(".turn:first-child .related").is_visible()  # each answer keeps its own
 
 
 def test_images_and_videos_for_an_answer(open_page, fake_model, fake_search):
@@ -583,6 +583,31 @@ def test_deep_research_steps_stay_after_the_answer(page, fake_model, fake_search
     reopened.wait_for()
     reopened.locator("summary").click()
     assert reopened.locator("li").all_inner_texts() == texts
+
+
+def test_half_written_markdown_is_hidden_while_streaming_and_sentences_end_once(page):
+    got = page.evaluate(
+        """async () => {
+            const turn = await import("/static/turn.js");
+            const net = await import("/static/net.js");
+            return [
+                turn.streamed("Hello **Demo"),
+                turn.streamed("Hello **Demo** and `co"),
+                turn.streamed("2 * 3 is *six"),
+                turn.streamed("```py\\nx = 2 **"),
+                net.sentence("its address does not resolve — is this server offline?"),
+                net.sentence("no key"),
+            ];
+        }"""
+    )
+    assert got == [
+        "Hello Demo",
+        "Hello **Demo** and co",
+        "2 * 3 is six",
+        "```py\nx = 2 **",
+        "its address does not resolve — is this server offline?",
+        "no key.",
+    ]
 
 
 def test_web_search_not_configured_says_so_and_how_to_fix_it(open_page, fake_model, fake_search):

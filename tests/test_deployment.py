@@ -1,5 +1,5 @@
-"""The README's "Deployment" section, run as written: Debian's nginx, configured with
-the README's own nginx block, in front of three server processes that share
+"""The "Deployment and scaling" page (docs/deployment.md), run as written: Debian's nginx, configured with
+the page's own nginx block, in front of three server processes that share
 PostgreSQL and Redis.
 """
 
@@ -26,19 +26,19 @@ from tests.servers import AppProcess, free_port, processes, wait_for_port
 
 pytestmark = pytest.mark.anyio
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "deployment.md"
 
 
 def readme_nginx_block() -> str:
     text = README.read_text()
     blocks = re.findall(r"```nginx\n(.*?)```", text, re.S)
-    assert len(blocks) == 1, "the README has one nginx configuration"
+    assert len(blocks) == 1, "docs/deployment.md has one nginx configuration"
     return blocks[0]
 
 
 @contextlib.contextmanager
 def nginx_in_front(servers: list[AppProcess]) -> Iterator[str]:
-    """nginx on a free loopback port with the README's configuration, its upstream
+    """nginx on a free loopback port with the page's configuration, its upstream
     pointed at `servers` and TLS taken out (the only changes)."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(binary).exists():

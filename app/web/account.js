@@ -2,7 +2,7 @@
 // (password, "Sign in with …" when the server has an identity provider, sign-up when
 // it allows), sign-out, the user's API keys in settings (made, copied once, revoked),
 // and the admin's users (roles, enabled, quotas, usage, invites).
-import { api, auth, Failure, failureOf, getJson } from "./net.js";
+import { api, auth, Failure, failureOf, getJson, sentence } from "./net.js";
 
 const $ = (selector) => document.querySelector(selector);
 
@@ -143,7 +143,7 @@ function words(status, detail, wait) {
   if (status === 401) return "That email and password don't match an account here.";
   if (status === 429) return `Too many tries. Try again in ${Math.ceil(wait / 60) || 1} min.`;
   if (status === 409) return "There is already an account with this email: sign in instead.";
-  return detail ? `${detail[0].toUpperCase()}${detail.slice(1)}.` : "That did not work. Try again.";
+  return detail ? sentence(`${detail[0].toUpperCase()}${detail.slice(1)}`) : "That did not work. Try again.";
 }
 
 /** A request was refused for want of a session (it ended, the account was disabled):

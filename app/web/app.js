@@ -11,6 +11,7 @@ import {
   postJson,
   randomId,
   readSse,
+  sentence,
   setKey,
   Socket,
   upload,
@@ -87,7 +88,6 @@ async function ask(content, { messageId = randomId(), replace = null } = {}) {
     state.chatId = randomId();
     history.replaceState(null, "", `#chat=${state.chatId}`);
   }
-  for (const old of document.querySelectorAll(".turn .related")) old.hidden = true;
   if (replace) removeFrom(replace.el);
   const files = state.attachments.filter((a) => a.status === "ready");
   const view = new TurnView(content, hooks, files.map((f) => f.name));
@@ -866,7 +866,7 @@ async function loadConfig() {
   const problem = state.config.demo ? null : state.config.searchProblem;
   $("#search-off").hidden = !problem;
   $("#search-off").textContent = problem
-    ? `Web search will not work on this server: ${problem}. Answers will have no web sources. ${searchFix(problem)}`
+    ? `Web search will not work on this server: ${sentence(problem)} Answers will have no web sources. ${searchFix(problem)}`
     : "";
   fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
   return true;

@@ -199,6 +199,13 @@ export function upload(file, onProgress) {
 }
 
 /** What went wrong, for a person: {text, action?} ("key" asks for an API key). */
+/** `text` as a sentence: with a full stop, unless it ends with its own (a server's
+ * "…is this server offline?" keeps its question mark). */
+export function sentence(text) {
+  const said = String(text).trim();
+  return /[.!?…]$/.test(said) ? said : `${said}.`;
+}
+
 export function explain(key, detail = "", retryAfter = 0) {
   const wait = retryAfter ? ` in ${retryAfter} s` : " in a minute";
   switch (key) {
@@ -241,7 +248,7 @@ export function explain(key, detail = "", retryAfter = 0) {
     case "NOT_FOUND":
       return { text: "That chat no longer exists." };
     case "BAD_REQUEST":
-      return { text: `The server could not take this question: ${detail || "it was not valid"}.` };
+      return { text: `The server could not take this question: ${sentence(detail || "it was not valid")}` };
     default:
       return { text: "Something went wrong on the server. Try again." };
   }

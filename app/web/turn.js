@@ -1,7 +1,7 @@
 // One question and its answer on the page: steps, sources, reasoning, the answer as
 // sanitised Markdown with [N] citations, its status, actions, media and follow-ups.
 
-import { auth, explain } from "./net.js";
+import { auth, explain, sentence } from "./net.js";
 
 /** What the page knows of the server (from /api/config). */
 export const site = { searchProvider: "" };
@@ -140,7 +140,7 @@ export class TurnView {
       );
     } else {
       this.notice(
-        `Web search failed: ${reason}. This answer has no web sources. ` +
+        `Web search failed: ${sentence(reason)} This answer has no web sources. ` +
           "To get them, set a search key (TAVILY_API_KEY), point the server at a SearxNG " +
           "instance (SEARXNG_URL), or untick “Search the web” to ask the model alone.",
       );
@@ -212,7 +212,7 @@ export class TurnView {
       });
       box.append(more);
     }
-    if (this.answer) this.part("answer").innerHTML = markdown(this.answer, this.sources);
+    if (this.answer) this.part("answer").innerHTML = markdown(streamed(this.answer), this.sources);
     this.changed();
   }
 
@@ -221,7 +221,7 @@ export class TurnView {
     this.pending = true;
     requestAnimationFrame(() => {
       this.pending = false;
-      this.part("answer").innerHTML = markdown(this.answer, this.sources);
+      this.part("answer").innerHTML = markdown(streamed(this.answer), this.sources);
       this.changed();
     });
   }
@@ -438,6 +438,36 @@ export function searchFix(said) {
   if (/not installed/i.test(reason)) return "To fix it, install the keyless search (.venv/bin/pip install ddgs) or set TAVILY_API_KEY, and restart the server.";
   if (/ddgs|keyless|duckduckgo|offline/i.test(reason)) return "To get sources, set a search key (TAVILY_API_KEY), point the server at a SearxNG instance (SEARXNG_URL), or untick “Search the web” to ask the model alone.";
   return "To fix it, configure a search provider ([search] in config.toml) and restart the server.";
+}
+
+/** An answer still streaming, as it can be shown: a marker whose closing half has not
+ * come yet (`**Demo`, `` `code``, `*word`) is left out until it does, so half-written
+ * Markdown never shows raw. Emphasis never crosses a paragraph, so only the last one is
+ * looked at; inside an open code block everything shows as code anyway. The final
+ * answer is rendered as it is. */
+export function streamed(text) {
+  if (countOf(text, "```") % 2) return text;
+  const start = text.lastIndexOf("\n\n") + 1;
+  let tail = text.slice(start);
+  for (const marker of ["`", "**", "__"]) {
+    if (countOf(tail.replaceAll("```", ""), marker) % 2) tail = withoutLast(tail, marker);
+  }
+  // a star with a space on both sides (a list's bullet, 2 * 3) is no emphasis
+  const stars = tail.replace(/\*\*/g, "").replace(/(^|\s)\*(?=\s|$)/gm, "$1");
+  if (countOf(stars, "*") % 2) {
+    const opening = [...tail.matchAll(/\*(?=[^\s*])/g)].pop();
+    if (opening) tail = tail.slice(0, opening.index) + tail.slice(opening.index + 1);
+  }
+  return text.slice(0, start) + tail;
+}
+
+function countOf(text, marker) {
+  return text.split(marker).length - 1;
+}
+
+function withoutLast(text, marker) {
+  const at = text.lastIndexOf(marker);
+  return text.slice(0, at) + text.slice(at + marker.length);
 }
 
 export function markdown(text, sources) {
