@@ -42,6 +42,7 @@ UPLOAD, COLLECTION = ("sh", "tee uploads.json"), ("sh", "tee collection.json")
 RESPONSES = ("python", "client.responses.create")
 ADMIN, SIGN_IN, KEY = ("sh", "create-admin"), ("sh", "/api/auth/login"), ("sh", "/api/keys")
 JAVASCRIPT = ("js", "@ai-sdk/openai")
+SHARE = ("sh", "/api/chats/$CHAT/share")
 RUN = (
     ASK,
     STOP,
@@ -57,6 +58,7 @@ RUN = (
     SIGN_IN,
     KEY,
     JAVASCRIPT,
+    SHARE,
 )
 
 
@@ -252,3 +254,15 @@ def test_the_javascript_example_runs_with_the_npm_clients(demo, tmp_path):
     done = subprocess.run(["node", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Demo answer") == 2 and "https://" in done.stdout
+
+
+def test_the_share_example_shares_reads_exports_and_takes_back(demo, tmp_path):
+    sh(here(example(*ASK), demo), cwd=tmp_path)  # the answer.sse it shares
+    out = sh(here(example(*SHARE), demo), cwd=tmp_path)
+    link = json.loads((tmp_path / "share.json").read_text())
+    assert out.startswith(json.dumps(link, separators=(",", ":")))
+    assert "## what is deepseek" in out  # the Markdown anyone may read
+    (exported,) = tmp_path.glob("*.md")
+    assert exported.read_text().startswith("# ") and "## what is deepseek" in exported.read_text()
+    gone = sh(f"curl -s -o /dev/null -w '%{{http_code}}' '{link['url']}'")
+    assert gone == "404"  # the example's last line took it back

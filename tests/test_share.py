@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -416,17 +415,3 @@ def test_the_web_client_shares_copies_lists_takes_back_and_exports(server, fake_
         assert httpx.get(url, timeout=10).status_code == 404
         context.close()
     assert errors == []
-
-
-def test_the_docs_example_runs(server, fake_model):
-    """docs/share.md's example, run against this server (its chat 42 asked first)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "share.md").read_text()
-    example = re.search(r"```python\n(.*?)```", text, re.S)
-    assert example is not None
-    with httpx.Client(base_url=server.url, timeout=20) as http:
-        with http.stream("POST", "/api/chat/sse", json=chat_body("q", chatId="42")) as response:
-            response.read()
-    code = example.group(1).replace("http://localhost:8080", server.url)
-    printed: list[str] = []
-    exec(code, {"print": printed.append})
-    assert printed and printed[0].startswith(server.url + "/s/")
