@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,6 +22,8 @@ from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from app.main import create_app
+from tests.client import sse_chat
+from tests.identity import browser, question, sign_up
 from tests.servers import ServerThread, chromium, free_port, serve, wait_for_port
 
 README = Path(__file__).resolve().parent.parent / "docs" / "security.md"
@@ -134,3 +137,17 @@ def test_the_ui_on_the_same_site_works_once_signed_in_and_never_as_anyone(site, 
         assert works["chats"] == 200 and works["suggestions"] == 200
         assert works["answer"] == "completed"
         browser.close()
+
+
+@pytest.mark.anyio
+async def test_a_share_link_on_the_same_site_opens_the_shared_page_without_signing_in(
+    site, fake_model
+):
+    async with browser(site) as ada, httpx.AsyncClient(base_url=site, timeout=15) as anyone:
+        await sign_up(ada, "ada@example.test")
+        await sse_chat(ada, question("what is rust", chatId="91"))
+        made = await ada.post("/api/chats/91/share", json={})
+        assert made.status_code == 201, made.text
+        assert made.json()["url"].startswith(site + "/s/")  # server.public_url
+        page = await anyone.get(made.json()["url"])
+    assert page.status_code == 200 and "<h2>what is rust</h2>" in page.text  # not the UI's
