@@ -121,7 +121,10 @@ async def sse_stream(
         *events, buffer = buffer.split(b"\n\n")
         now_ns = time.time_ns()
         for raw in events:
-            if not raw or raw.startswith((b":", b"retry:")):
+            # a block may open with `retry:` or a ping comment line (no block without data)
+            while raw.startswith((b":", b"retry:")):
+                raw = raw.partition(b"\n")[2]
+            if not raw:
                 continue
             event_id, _, data_line = raw.partition(b"\ndata: ")
             event = orjson.loads(data_line)
