@@ -7,6 +7,23 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+__all__ = [
+    "Account",
+    "AccountChange",
+    "ApiKey",
+    "Chat",
+    "Checkpoint",
+    "CollectionRecord",
+    "DocumentRecord",
+    "FileRecord",
+    "GroupRecord",
+    "Saved",
+    "StoredChunk",
+    "StoredMessage",
+    "StoredResponse",
+    "Usage",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Chat:
