@@ -184,8 +184,8 @@ def test_a_websocket_handshake_that_stops_mid_headers_is_closed_with_408(setting
             sock.sendall(UPGRADE[: UPGRADE.index(b"Sec-WebSocket-Key")])
             started = time.monotonic()
             closed, got = closed_within(sock, 5)
-        assert closed and 0.5 < time.monotonic() - started < 3
-        assert got.startswith(b"HTTP/1.1 408")
+        assert closed and time.monotonic() - started < 3
+        assert got.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in got  # the timer
         assert orjson.loads(got.split(b"\r\n\r\n", 1)[1])["key"] == "BAD_REQUEST"
 
 
@@ -281,8 +281,8 @@ def test_python_m_app_applies_its_timeouts_and_caps_from_the_environment(tmp_pat
             sock.sendall(b"POST /api/chat/sse HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
             started = time.monotonic()
             closed, got = closed_within(sock, 5)
-        assert closed and 0.5 < time.monotonic() - started < 3, process.output()
-        assert got.startswith(b"HTTP/1.1 408")
+        assert closed and time.monotonic() - started < 3, process.output()
+        assert got.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in got  # the timer
 
         # WebSockets: no header timeout holds them, the cap does
         sockets = [websocket(process.port) for _ in range(3)]
