@@ -27,35 +27,13 @@ from starlette.middleware.gzip import GZipMiddleware
 from app.chat.keeper import AnswerKeeper
 from app.main import create_app
 from app.serving import uvicorn_config
-from app.store import (
-    CollectionRecord,
-    DocumentRecord,
-    FileRecord,
-    open_store,
-)
+from app.store import CollectionRecord, DocumentRecord, FileRecord, open_store
 from app.streams import close_redis, open_redis, rediskeys
 from app.streams.memory import MemoryHub
-from tests.client import (
-    answer_of,
-    chat_body,
-    iter_sse,
-    read_events,
-    rest,
-    wait_for,
-)
-from tests.conftest import (
-    BOTH_TOPOLOGIES,
-    USER,
-    PostgresServer,
-    new_database,
-)
+from tests.client import answer_of, chat_body, iter_sse, read_events, rest, wait_for
+from tests.conftest import BOTH_TOPOLOGIES, USER, PostgresServer, new_database
 from tests.logs import everything_logged
-from tests.servers import (
-    AppProcess,
-    processes,
-    serve,
-    serving_line,
-)
+from tests.servers import AppProcess, processes, serve, serving_line
 
 pytestmark = pytest.mark.anyio
 

@@ -13,13 +13,8 @@ from httpx_ws import aconnect_ws
 
 from app.main import create_app
 from tests.client import chat_body, iter_sse, read_events, sse_chat
-from tests.conftest import (
-    USER,
-)
-from tests.servers import (
-    processes,
-    serve,
-)
+from tests.conftest import USER
+from tests.servers import processes, serve
 
 pytestmark = pytest.mark.anyio
 

@@ -17,28 +17,9 @@ import redis.asyncio as aioredis
 
 from app.main import create_app
 from app.streams import rediskeys
-from tests.client import (
-    SseEvent,
-    answer_of,
-    chat_body,
-    iter_sse,
-    read_events,
-    rest,
-    wait_for,
-)
-from tests.conftest import (
-    BOTH_TOPOLOGIES,
-    USER,
-    RedisCluster,
-    RedisServer,
-)
-from tests.servers import (
-    OWN_PID_NAMESPACE,
-    pid_namespaces_work,
-    processes,
-    serve,
-    serving_line,
-)
+from tests.client import SseEvent, answer_of, chat_body, iter_sse, read_events, rest, wait_for
+from tests.conftest import BOTH_TOPOLOGIES, USER, RedisCluster, RedisServer
+from tests.servers import OWN_PID_NAMESPACE, pid_namespaces_work, processes, serve, serving_line
 
 pytestmark = pytest.mark.anyio
 

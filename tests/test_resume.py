@@ -13,9 +13,7 @@ from httpx_ws import aconnect_ws
 
 from app.main import create_app
 from tests.client import chat_body, sse_chat
-from tests.conftest import (
-    USER,
-)
+from tests.conftest import USER
 from tests.servers import chromium, serve
 
 pytestmark = pytest.mark.anyio

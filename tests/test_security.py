@@ -20,20 +20,11 @@ import pytest
 from httpx_ws import WebSocketDisconnect, aconnect_ws
 
 from app.main import create_app
-from tests.client import (
-    chat_body,
-    iter_sse,
-    read_events,
-    read_sse_events,
-    rest,
-    sse_chat,
-)
+from tests.client import chat_body, iter_sse, read_events, read_sse_events, rest, sse_chat
 from tests.conftest import USER
 from tests.fakes.rerank import FakeRerank
 from tests.logs import everything_logged
-from tests.servers import (
-    serve,
-)
+from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
 

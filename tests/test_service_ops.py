@@ -19,13 +19,7 @@ from app.events import Handle
 from app.main import create_app
 from app.search.web import until_deadline
 from app.store import open_store
-from tests.client import (
-    SseEvent,
-    answer_of,
-    chat_body,
-    iter_sse,
-    wait_for,
-)
+from tests.client import SseEvent, answer_of, chat_body, iter_sse, wait_for
 from tests.conftest import USER, new_database, start_postgres, start_redis
 from tests.servers import AppProcess, serve
 from tests.test_hub import redis_hub

@@ -19,9 +19,7 @@ from app.config import ServerSettings
 from app.main import create_app
 from app.serving import open_connections
 from tests.client import chat_body, sse_chat, wait_for
-from tests.conftest import (
-    USER,
-)
+from tests.conftest import USER
 from tests.servers import AppProcess, serve
 
 pytestmark = pytest.mark.anyio

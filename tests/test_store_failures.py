@@ -20,13 +20,7 @@ from httpx_ws import aconnect_ws
 from app.chat.keeper import MAX_ATTEMPTS, AnswerKeeper
 from app.errors import AppError, BadRequest, Unavailable
 from app.main import create_app
-from app.store import (
-    Chat,
-    Checkpoint,
-    Saved,
-    StoredMessage,
-    open_store,
-)
+from app.store import Chat, Checkpoint, Saved, StoredMessage, open_store
 from app.store.base import mapping_errors
 from app.store.sqlite import sqlite_path
 from app.streams.memory import MemoryHub
@@ -40,11 +34,7 @@ from tests.client import (
     rest,
     wait_for,
 )
-from tests.conftest import (
-    USER,
-    PostgresServer,
-    new_database,
-)
+from tests.conftest import USER, PostgresServer, new_database
 from tests.servers import free_port, serve
 
 pytestmark = pytest.mark.anyio
