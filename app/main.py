@@ -470,7 +470,7 @@ def announce(settings: Settings, service: ChatService) -> None:
     ):
         log.warning(
             "auth is off on %s: anyone who reaches this port can ask (and spend the model "
-            "key); turn auth on with AUTH_API_KEYS=<key>:<user id> (README, Security), or "
+            "key); turn auth on with AUTH_API_KEYS=<key>:<user id> (docs/security.md), or "
             "listen on 127.0.0.1 only with SERVER_HOST=127.0.0.1",
             settings.server.host,
         )

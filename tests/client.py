@@ -96,3 +96,8 @@ async def read_events(stream: AsyncIterator[SseEvent | str], count: int) -> list
 async def rest(stream: AsyncIterator[SseEvent | str]) -> list[SseEvent]:
     """Every remaining event of a stream from `iter_sse`."""
     return [item async for item in stream if isinstance(item, SseEvent)]
+
+
+async def read_sse_events(client, body):
+    async with client.stream("POST", "/api/chat/sse", json=body) as response:
+        return await rest(iter_sse(response))

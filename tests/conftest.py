@@ -670,3 +670,9 @@ def hosts_env(model_url, fake_search, postgres_server, topology):
         "TAVILY_API_KEY": fake_search.api_key,
         "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
     }
+
+
+@pytest.fixture
+def env(hosts_env):
+    """Two "hosts" share one Postgres database and one Redis."""
+    return hosts_env

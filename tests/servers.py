@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import uvicorn
 
@@ -220,6 +221,13 @@ class AppProcess(Loopback):
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+
+def serving_line(process: AppProcess) -> dict:
+    for line in process.output().splitlines():
+        if '"msg":"serving"' in line:
+            return orjson.loads(line)
+    raise AssertionError(f"no start-up line:\n{process.output()}")
 
 
 @contextlib.contextmanager

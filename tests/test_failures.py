@@ -1,8 +1,12 @@
-"""Failures are events, never hangs or crashes; the server keeps serving after each."""
+"""Failures are events, never hangs or crashes; the server keeps serving after each:
+upstream faults, a model that never answers or cannot be reached, clients that vanish
+— and nothing is leaked."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import httpx
 import orjson
@@ -186,3 +190,139 @@ async def test_model_error_over_websocket_keeps_the_socket(server, fake_model):
         while not frames or frames[-1]["type"] != "messageEnd":
             frames.append(orjson.loads(await ws.receive_text()))
         assert frames[-1]["status"] == "completed"
+
+
+async def _state(app):
+    service = app.state.service
+    return {
+        "generations": service.running(),
+        "claims": len(service.hub.local.running()),
+        "tasks": len(asyncio.all_tasks()),
+    }
+
+
+async def settled(server, baseline_tasks, timeout=10.0):
+    """Wait until nothing runs on the server beyond what it ran when idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = server.call(_state(server.app))
+        if (state["generations"], state["claims"]) == (0, 0) and state["tasks"] <= baseline_tasks:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leaked: {state} (idle tasks: {baseline_tasks})")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("directive", "key"),
+    [
+        ("#fail=500", "STREAM_ERROR"),
+        ("#fail=503", "STREAM_ERROR"),
+        ("#fail=429", "STREAM_ERROR"),
+        ("#break=3", "STREAM_ERROR"),
+        ("#malformed=3", "STREAM_ERROR"),
+        ("#empty", "STREAM_ERROR"),
+        ("#tokens=3 #delay=1.5", "STREAM_ERROR"),  # read timeout between tokens
+    ],
+)
+async def test_upstream_faults_end_cleanly_with_nothing_leaked(
+    settings, fake_model, directive, key
+):
+    with serve(create_app(settings.replace(llm={"read_timeout_seconds": 0.5}))) as server:
+        idle = server.call(_state(server.app))["tasks"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
+            events = await sse_chat(http, chat_body(f"q {directive}", chatId="960"))
+            assert events[-1].type == "error" and events[-1].data["key"] == key
+            answer = (await http.get("/api/chats/960")).json()["messages"][-1]
+            assert answer["status"] == "failed"
+            await settled(server, idle + 2)  # the title chore may still be finishing
+    for record in fake_model.streams:
+        assert record.outcome != "open"
+
+
+async def test_a_429_before_the_first_token_is_retried_once(client, fake_model):
+    events = await sse_chat(client, chat_body("q #flaky=429"))
+    assert events[-1].data["status"] == "completed"
+    assert len(fake_model.streamed_requests()) == 2
+
+
+async def test_a_model_that_never_answers_times_out(settings, fake_model):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never says a word
+    port = silent.getsockname()[1]
+    try:
+        mute = settings.replace(
+            llm={"base_url": f"http://127.0.0.1:{port}/v1", "read_timeout_seconds": 0.5}
+        )
+        with serve(create_app(mute)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("q"))
+                assert time.monotonic() - started < 5
+        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
+    finally:
+        silent.close()
+
+
+async def test_two_hundred_abrupt_disconnects_leak_nothing(settings, fake_model):
+    uncapped = settings.replace(limits={"max_concurrent_generations": 0})
+    with serve(create_app(uncapped)) as server:
+        await _two_hundred_abrupt_disconnects(server)
+
+
+async def _two_hundred_abrupt_disconnects(server):
+    idle = server.call(_state(server.app))["tasks"]
+    async with httpx.AsyncClient(
+        base_url=server.url,
+        timeout=30,
+        limits=httpx.Limits(max_connections=60),
+        event_hooks=USER,
+    ) as http:
+
+        async def hang_up(i):
+            body = chat_body(f"q{i} #tokens=30 #delay=0.01 #reasoning=0", chatId=str(10_000 + i))
+            async with http.stream("POST", "/api/chat/sse", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if '"data":"tok1 "' in line:
+                        return  # drop the connection mid-answer
+            raise AssertionError("the answer ended before the client hung up")
+
+        for start in range(0, 200, 50):
+            await asyncio.gather(*(hang_up(i) for i in range(start, start + 50)))
+        state = await settled(server, idle + 2, timeout=30)
+        assert state["generations"] == 0
+        metrics = (await http.get("/metrics")).text
+        assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics
+        saved = (await http.get("/api/chats/10199")).json()["messages"][-1]
+        assert saved["status"] == "completed"  # each kept going after its client left
+        assert saved["content"].endswith("tok29 ")
+
+
+async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_model):
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # a backlog that is full at once: further SYNs go unanswered
+    port = full.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue; connections that never get accepted
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        hanging = settings.replace(
+            llm={"base_url": f"http://127.0.0.1:{port}/v1", "connect_timeout_seconds": 0.5}
+        )
+        with serve(create_app(hanging)) as server:
+            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
+                started = time.monotonic()
+                events = await sse_chat(http, chat_body("q"))
+                elapsed = time.monotonic() - started
+        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
+        assert elapsed < 5
+    finally:
+        for filler in fillers:
+            filler.close()
+        full.close()

@@ -6,8 +6,10 @@ server on a taken port, a restart, and the demo model that needs no key.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -290,3 +292,36 @@ async def test_python_m_app_demo_says_it_is_the_demo(tmp_path):
         assert "answers are made up" in process.output()
     finally:
         process.stop()
+
+
+async def test_without_a_model_key_the_config_says_so_before_and_after_the_check(settings):
+    keyless = settings.replace(llm={"api_key": ""})
+    with serve(create_app(keyless)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+            assert "LLM_API_KEY" in (await http.get("/api/config")).json()["modelProblem"]
+            await wait_for(lambda: _probed(running), timeout=10)
+            config = (await http.get("/api/config")).json()
+            assert config["modelProblem"] == (
+                "no model key is configured: set llm.api_key (LLM_API_KEY)"
+            )
+            ready = await http.get("/readyz")
+            assert ready.status_code == 200 and "llm.api_key" in ready.json()["warnings"]["model"]
+
+
+async def test_an_over_large_body_is_refused_naming_the_limit_and_its_setting(settings):
+    small = settings.replace(limits={"max_body_bytes": 2000})
+    with serve(create_app(small)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+            body = chat_body("x" * 3000)
+            refused = await http.post("/api/chat/sse", json=body)
+            assert refused.status_code == 413
+            reason = refused.json()["data"]
+            assert "2000 bytes" in reason and "limits.max_body_bytes" in reason
+
+
+def test_the_warning_for_auth_off_points_at_a_page_of_the_docs(caplog):
+    bare = Settings().replace(server={"host": "0.0.0.0"})
+    with caplog.at_level(logging.INFO):
+        announce(bare, _Service())  # type: ignore[arg-type]
+    page = re.search(r"\((docs/[a-z]+\.md)\)", caplog.text)
+    assert page is not None and (Path(__file__).parents[1] / page[1]).is_file()

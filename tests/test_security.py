@@ -1,9 +1,18 @@
-"""Auth by API key, rate limits, the concurrency cap, CORS, and what is logged."""
+"""Auth by API key, rate limits, the concurrency cap, CORS, one owner per chat, the
+sources page's headers, and what is logged: no key, password or question in any log,
+nor in a setting's repr or error."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import re
+import time
+import traceback
+import typing
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import orjson
@@ -11,7 +20,10 @@ import pytest
 from httpx_ws import WebSocketDisconnect, aconnect_ws
 
 from app.main import create_app
-from tests.client import chat_body, sse_chat
+from tests.client import chat_body, iter_sse, read_events, read_sse_events, rest, sse_chat
+from tests.conftest import USER
+from tests.fakes.rerank import FakeRerank
+from tests.logs import everything_logged
 from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
@@ -294,3 +306,308 @@ async def test_input_limits_say_which_limit(settings, fake_model):
                 assert frame["key"] == "BAD_REQUEST" and "larger than 4096" in frame["data"]
                 await ws.send_text('{"type": "ping"}')
                 assert orjson.loads(await ws.receive_text()) == {"type": "pong"}
+
+
+QUESTION_WORD = "zanzibarquokka"
+
+
+SEARCH_KEY = "tvly-SEARCHSECRET0123456789"
+
+
+MODEL_KEY = "sk-MODELSECRET0123456789abcdef"
+
+
+@pytest.fixture
+def secret_keys(fake_model, fake_search):
+    before = (fake_model.api_key, fake_search.api_key)
+    fake_model.api_key, fake_search.api_key = MODEL_KEY, SEARCH_KEY
+    yield
+    fake_model.api_key, fake_search.api_key = before
+
+
+@pytest.fixture
+def fake_ddgs(monkeypatch, fake_search):
+    """ddgs at its client boundary (`app.search.ddgs.new_client`): its text results are
+    the fake search's pages on loopback, so a reader reads them there."""
+    import app.search.ddgs
+    from tests.test_search_provider import RecordedDdgs
+
+    fake = RecordedDdgs()
+    fake.answers["text"] = [
+        {"title": r["title"], "href": r["url"], "body": r["snippet"]} for r in fake_search.results()
+    ]
+    monkeypatch.setattr(app.search.ddgs, "new_client", fake.factory)
+    yield fake
+    fake.release.set()
+
+
+async def import_urls(http: httpx.AsyncClient, urls: list[str]) -> str:
+    """A collection with `urls` read into it (by the reader): its id."""
+    made = await http.post("/api/collections", json={"name": "logs"})
+    collection_id = made.json()["collection"]["id"]
+    started = await http.post(f"/api/collections/{collection_id}/documents", json={"urls": urls})
+    assert started.status_code == 202, started.text
+    progress_url = f"/api/collections/{collection_id}/imports/{started.json()['import']['id']}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        progress = (await http.get(progress_url)).json()
+        if progress["done"] == progress["total"]:
+            assert not progress["failed"], progress
+            return collection_id
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the import did not finish: {progress}")
+
+
+@pytest.mark.parametrize("reader", ["jina", "builtin"])
+@pytest.mark.parametrize("provider", ["tavily", "searxng", "google", "ddgs"])
+async def test_no_key_and_no_question_reach_any_log(
+    settings, fake_model, fake_search, fake_ddgs, secret_keys, caplog, provider, reader
+):
+    """Every logger (uvicorn's included, configured as `python -m app` configures them),
+    at INFO as the README runs it, while each provider searches — answers, `/api/search`,
+    images, videos, discover — each reader reads (sources, and a collection's URLs), and a
+    reranker ranks: no key, no question, no URL that holds either."""
+    from app import logs
+
+    rerank = FakeRerank()
+    with serve(rerank.app()) as reranker:
+        changed = settings.replace(
+            llm={"api_key": MODEL_KEY},
+            embeddings={"api_key": MODEL_KEY},
+            search={"provider": provider, "timeout_seconds": 3.0},
+            tavily={"api_key": SEARCH_KEY},
+            google={"api_key": SEARCH_KEY},
+            reader={"provider": reader, "api_key": SEARCH_KEY, "allow_private_networks": True},
+            collections={"rerank": {"url": reranker.url + "/rerank", "api_key": SEARCH_KEY}},
+        )
+        logs.configure()
+        logging.getLogger().addHandler(caplog.handler)  # configure() set the root's handlers
+        try:
+            with (
+                caplog.at_level(logging.INFO),
+                serve(create_app(changed), log_config=None, log_level="info") as running,
+            ):
+                async with httpx.AsyncClient(
+                    base_url=running.url, timeout=20, event_hooks=USER
+                ) as http:
+                    await everything_that_searches_or_reads(http, fake_search.base_url)
+                    # and a model that refuses the key, quoting it as OpenAI does
+                    fake_model.api_key = "another-key"
+                    refused = await sse_chat(http, chat_body(f"{QUESTION_WORD} again"))
+                    assert refused[-1].data["key"] == "STREAM_ERROR"
+                    assert "MODELSECRET" not in refused[-1].data["data"]
+        finally:
+            logging.getLogger().handlers[:] = []
+    # each of them was asked (a test that asks nothing proves nothing)
+    if provider == "ddgs":
+        assert {kind for kind, _, _ in fake_ddgs.calls} == {"text", "images", "videos", "news"}
+    else:
+        assert provider in {asked for asked, _ in fake_search.queries}
+    assert {via for via, _ in fake_search.pages_read} == {"jina" if reader == "jina" else "page"}
+    assert rerank.requests and rerank.requests[-1]["query"].endswith(QUESTION_WORD)
+    text = everything_logged(caplog.records)
+    assert "answered 401" in text  # the refusal is logged, in words
+    assert any(r.name.startswith("uvicorn") for r in caplog.records)  # uvicorn's are kept
+    for secret in ("SEARCHSECRET", "MODELSECRET", "sk-MODE", QUESTION_WORD):
+        assert secret not in text, (secret, [line for line in text.splitlines() if secret in line])
+
+
+async def everything_that_searches_or_reads(http: httpx.AsyncClient, pages: str) -> None:
+    """Ask in every way that reaches a search provider, the reader or the reranker."""
+    body = chat_body(f"what do {QUESTION_WORD} eat", focusMode="webSearch")
+    body["optimizationMode"] = "balanced"
+    events = await sse_chat(http, body)
+    assert events[-1].type == "messageEnd"
+    media = {"query": f"{QUESTION_WORD} pictures", "chatHistory": []}
+    assert (await http.post("/api/images", json=media)).status_code == 200
+    assert (await http.post("/api/videos", json=media)).status_code == 200
+    assert (await http.get("/api/discover")).status_code == 200
+    searched = await http.post(
+        "/api/search",
+        json={"query": f"where do {QUESTION_WORD} live", "focusMode": "webSearch", "userId": "1"},
+    )
+    assert searched.status_code == 200, searched.text
+    collection = await import_urls(
+        http, [f"{pages}/pages/1?q={QUESTION_WORD}", f"{pages}/pages/2?q={QUESTION_WORD}"]
+    )
+    found = await http.post(
+        f"/api/collections/{collection}/search", json={"query": f"FULLTEXT {QUESTION_WORD}"}
+    )
+    assert found.status_code == 200 and found.json()["results"], found.text
+
+
+#: what a settings key's name says it holds: a secret, or a URL (whose user part may
+#: hold a password, its query a key) or a proxy's URL
+SECRET_WORDS = {"key", "keys", "secret", "password", "token"}
+
+
+URL_WORDS = {"url", "proxy"}
+
+
+def secret_fields(cls: Any = None, where: str = "") -> Iterator[tuple[str, Any]]:
+    """Every key of the settings, nested tables included, whose name says it holds a
+    secret or a URL: (dotted path, its field)."""
+    from app.config import Settings
+
+    for f in dataclasses.fields(cls or Settings):
+        path = f"{where}{f.name}"
+        kind = typing.get_type_hints(cls or Settings)[f.name]
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            yield from secret_fields(kind, path + ".")
+        elif set(f.name.split("_")) & (SECRET_WORDS | URL_WORDS):
+            yield path, kind
+
+
+def test_settings_never_show_a_key_a_password_or_a_url():
+    """Every key that is or may hold a secret, found by its name (a new one is found
+    too), is left out of the settings' repr."""
+    from app.config import Settings
+
+    found = dict(secret_fields())
+    assert {"llm.api_key", "auth.api_keys", "collections.rerank.api_key", "ddgs.proxy"} <= set(
+        found
+    )
+    assert {"store.url", "redis.url", "collections.url", "searxng.url"} <= set(found)
+    settings = Settings()
+    for n, (path, kind) in enumerate(found.items()):
+        secret = f"HIDDEN{n}X"
+        value: Any = f"https://u:{secret}@h/?key={secret}" if kind is str else {secret: "1"}
+        section, _, key = path.rpartition(".")
+        changes: dict[str, Any] = {key: value}
+        for name in reversed(section.split(".")[1:]):
+            changes = {name: changes}
+        settings = settings.replace(**{section.split(".")[0]: changes})
+        assert secret not in repr(settings), f"{path} shows in the settings' repr"
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"AUTH_API_KEYS": "SECRETKEY1:1,SECRETKEY2"}, "AUTH_API_KEYS"),
+        ({"SERVER_PORT": "SECRETKEY1"}, "SERVER_PORT"),
+        ({"PORT": "SECRETKEY1"}, "PORT"),
+        ({"AUTH_SESSION_DAYS": "SECRETKEY1"}, "AUTH_SESSION_DAYS"),
+        ({"REDIS_CLUSTER": "SECRETKEY1"}, "REDIS_CLUSTER"),
+    ],
+)
+def test_a_bad_setting_from_the_environment_names_its_key_not_its_value(tmp_path, env, name):
+    from app.config import SettingsError, load
+
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    with pytest.raises(SettingsError) as refused:
+        load(config, env)
+    shown = "".join(traceback.format_exception(refused.value))
+    assert name in str(refused.value)
+    assert "SECRETKEY" not in shown, shown
+
+
+def test_a_bad_setting_in_the_file_names_its_key_not_its_value(tmp_path):
+    from app.config import SettingsError, load
+
+    config = tmp_path / "config.toml"
+    config.write_text('[llm]\napi_key = ["SECRETKEY1"]\n')
+    with pytest.raises(SettingsError) as refused:
+        load(config, {})
+    shown = "".join(traceback.format_exception(refused.value))
+    assert "llm.api_key: expected a string, got an array" in str(refused.value)
+    assert "SECRETKEY" not in shown, shown
+
+
+async def test_the_openai_user_field_is_a_label_with_auth_on(settings, fake_model):
+    keyed = settings.replace(auth={"api_keys": {"k1": "u1"}})
+    with serve(create_app(keyed)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=20) as http:
+            answer = await http.post(
+                "/v1/chat/completions",
+                headers={"authorization": "Bearer k1"},
+                json={
+                    "model": "deepSeek",
+                    "user": "end-user-42",  # a label, not a claim to be someone else
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
+
+
+async def test_a_refusal_that_quotes_the_question_logs_neither(settings, fake_model, caplog):
+    """A provider's error may quote the prompt (moderation refusals do): the status and
+    the error's words are logged, what it quotes is not — at any level."""
+    from app.logs import quiet_third_parties
+
+    quiet_third_parties()  # as the server configures its logging
+    with caplog.at_level(logging.DEBUG):
+        with serve(create_app(settings)) as running:
+            async with httpx.AsyncClient(
+                base_url=running.url, timeout=10, event_hooks=USER
+            ) as http:
+                events = await sse_chat(http, chat_body("where do wombats hide #echo=400"))
+    assert events[-1].type == "error" and "wombats" not in events[-1].data["data"]
+    refusal = next(r for r in caplog.records if r.getMessage() == "the model answered 400")
+    assert "was flagged" in refusal.fields["detail"]  # type: ignore[attr-defined]
+    logged = [f"{r.getMessage()} {getattr(r, 'fields', '')}" for r in caplog.records]
+    assert not [line for line in logged if "wombats" in line]
+
+
+async def test_the_sources_page_links_only_http_and_sends_security_headers(
+    client, fake_model, fake_search
+):
+    fake_search.extra[:] = [
+        {"title": "evil", "url": "javascript:alert(document.cookie)", "snippet": "x"},
+        {"title": "tabbed", "url": "java\tscript:alert(1)", "snippet": "x"},
+        {"title": "data", "url": "data:text/html,<script>alert(1)</script>", "snippet": "x"},
+    ]
+    events = await read_sse_events(client, chat_body("q", messageId="x1", focusMode="webSearch"))
+    assert any(e.type == "sources" for e in events)
+    page = await client.get("/sources/x1", headers={"accept": "text/html"})
+    assert page.status_code == 200
+    hrefs = re.findall(r'href="([^"]*)"', page.text)
+    assert hrefs and all(h.startswith("http") for h in hrefs)
+    assert "evil" in page.text and "<script>" not in page.text
+    for response in (page, await client.get("/"), await client.get("/static/index.html")):
+        csp = response.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+        assert "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["referrer-policy"] == "no-referrer"
+
+
+async def test_without_auth_a_chat_is_its_users_and_no_one_elses(server, fake_model, fake_search):
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=20) as anonymous,
+        httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as owner,
+    ):
+        body = chat_body("long #tokens=300 #delay=0.01", chatId="o1", messageId="o2")
+        body["focusMode"] = "webSearch"
+        async with owner.stream("POST", "/api/chat/sse", json=body) as response:
+            stream = iter_sse(response)
+            head = await read_events(stream, 3)
+            sources = next(e for e in head if e.type == "sources").data["data"][-1]["metadata"]
+            for who, extra in ((anonymous, {"userId": None}), (anonymous, {"userId": "2"})):
+                query = {"userId": extra["userId"]} if extra["userId"] else {}
+                assert (await who.get("/api/chats/o1", params=query)).status_code == 403
+                assert (await who.get("/sources/o2", params=query)).status_code == 403
+                resume = await who.get("/api/chat/sse/resume", params={"chatId": "o1", **query})
+                assert resume.status_code == 403
+                cancel = await who.post("/api/chat/cancel", json={"chatId": "o1", **extra})
+                assert cancel.status_code == 403
+                post = await who.post(
+                    "/api/chat/sse", json={**chat_body("mine now", chatId="o1"), **extra}
+                )
+                assert post.status_code == 403
+                assert (await who.delete("/api/chats/o1", params=query)).status_code == 403
+                assert (await who.get("/api/chats", params=query)).json()["chats"] == []
+            # the signed link opens those sources, and nothing else, without a user
+            signed = await anonymous.get("http:" + sources["url"])
+            assert signed.status_code == 200 and len(signed.json()["sources"]) == 8
+            forged = sources["url"].replace("/sources/o2", "/sources/o1")
+            assert (await anonymous.get("http:" + forged)).status_code in (403, 404)
+            assert (
+                await owner.post("/api/chat/cancel", json={"chatId": "o1", "userId": "1"})
+            ).status_code == 200
+            await rest(stream)
+        # and a chat made without a userId is user "0"'s
+        await read_sse_events(anonymous, {**chat_body("anon", chatId="o3"), "userId": None})
+        assert (await anonymous.get("/api/chats/o3")).status_code == 200
+        assert (await owner.get("/api/chats/o3")).status_code == 403

@@ -1,4 +1,5 @@
-"""Running as a service: graceful shutdown, readiness, metrics, several workers, Postgres."""
+"""Running as a service: graceful shutdown, readiness, metrics, several workers, Postgres,
+and background loops that meet an unexpected error."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import orjson
 import pytest
 from httpx_ws import WebSocketDisconnect, aconnect_ws
 
+from app.chores import supervised
+from app.events import Handle
 from app.main import create_app
+from app.search.web import until_deadline
 from app.store import open_store
-from tests.client import SseEvent, answer_of, chat_body, iter_sse
+from tests.client import SseEvent, answer_of, chat_body, iter_sse, wait_for
 from tests.conftest import USER, new_database, start_postgres, start_redis
 from tests.servers import AppProcess, serve
+from tests.test_hub import redis_hub
 
 pytestmark = pytest.mark.anyio
 
@@ -283,3 +288,63 @@ async def test_sigterm_ends_streams_that_follow_another_process(env, fake_model,
     finally:
         follower.stop()
         runner.stop()
+
+
+async def test_a_supervised_loop_that_fails_is_started_again():
+    runs = []
+
+    async def body() -> None:
+        runs.append(time.monotonic())
+        if len(runs) < 3:
+            raise RuntimeError("unexpected")
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(supervised("test loop", body, first_delay=0.01))
+    await wait_for(lambda: asyncio.sleep(0, len(runs) >= 3), timeout=3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_heartbeat_that_meets_an_unexpected_error_goes_on(redis_url):
+    """The heartbeat fails once with an error nobody expected: it is logged and the
+    heartbeat goes on, so the process keeps its claims (a dead heartbeat would let
+    them expire and the chats be claimed twice)."""
+    async with (
+        redis_hub(redis_url, handle_ttl=1.2) as owner,
+        redis_hub(redis_url, handle_ttl=1.2) as other,
+    ):
+        h = Handle("7", "700", "699", "1", "q")
+        await owner.register(h, lambda: None)
+        beat, failed = owner.beat, []
+
+        async def failing_once() -> None:
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("a bug in the heartbeat")
+            await beat()
+
+        owner.beat = failing_once  # type: ignore[method-assign]
+        await asyncio.sleep(3.0)  # two and a half claim TTLs
+        assert failed
+        assert await other.lookup("7") == h
+
+
+async def test_until_deadline_waits_for_what_it_cancels():
+    ended: list[str] = []
+
+    async def slow(name: str) -> str:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.sleep(0.05)  # cleaning up takes a moment
+            ended.append(name)
+        return name
+
+    async def quick() -> str:
+        return "quick"
+
+    loop = asyncio.get_running_loop()
+    got = await until_deadline([quick(), slow("a"), slow("b")], loop.time() + 0.1)
+    assert got == ["quick", None, None]
+    assert sorted(ended) == ["a", "b"]  # both had ended when it returned

@@ -48,6 +48,7 @@ from .keeper import AnswerKeeper
 
 log = logging.getLogger("app.chat")
 
+NO_MODEL = "no model key is configured: set llm.api_key (LLM_API_KEY)"
 COUNT_EVERY = 32  # events a relay sends between updates of its metric
 
 Chunk = TypeVar("Chunk")  # what an encoder makes: bytes, frames, …
@@ -104,8 +105,9 @@ class ChatService:
         self._runs: dict[str, asyncio.Task[None]] = {}  # answer id → its `run()`
         self._link_key = b""
         self.accepting = True
-        #: why the model, or web search, cannot be used at all, as found at start (or None)
-        self.model_problem: str | None = None
+        #: why the model, or web search, cannot be used at all, as found at start (or None);
+        #: a model without a key is said at once, and stays said
+        self.model_problem = None if llm.configured else NO_MODEL
         self.search_problem: str | None = None
 
     # -- generations -------------------------------------------------------------
@@ -411,7 +413,7 @@ class ChatService:
         search, model = await asyncio.gather(
             self.search.probe(), self.llm.probe() if self.llm.configured else _none()
         )
-        self.search_problem, self.model_problem = search, model
+        self.search_problem, self.model_problem = search, model or self.model_problem
         if model:
             log.warning("the model cannot be used: %s", model)
         if search:

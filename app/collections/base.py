@@ -15,6 +15,7 @@ index. Errors of an engine's driver leave it as `EngineError` (503 to a client).
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,6 +123,29 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def spaces(self) -> list[str]:
         """Every space with passages in it, sorted."""
+
+
+class ThreadedEngine(Engine):
+    """An engine whose calls block (files, an embedded database, a synchronous client):
+    `add` and `nearest` run its `_add` and `_nearest` in a worker thread."""
+
+    async def add(
+        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None = None
+    ) -> None:
+        await asyncio.to_thread(self._add, space, list(passages), vectors)
+
+    async def nearest(
+        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
+    ) -> list[Hit]:
+        return await asyncio.to_thread(self._nearest, space, vector, limit, documents)
+
+    @abc.abstractmethod
+    def _add(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None: ...
+
+    @abc.abstractmethod
+    def _nearest(
+        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None
+    ) -> list[Hit]: ...
 
 
 def url_path(url: str) -> str:

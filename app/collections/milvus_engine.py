@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 
 from ..scoring import BM25_B, BM25_K1, terms, unit_rows
-from .base import Engine, EngineError, Hit, Passage
+from .base import EngineError, Hit, Passage, ThreadedEngine
 
 TEXT_CHARS = 65535
 PAGE_ROWS = 1000
@@ -50,7 +50,7 @@ def _quoted(values: Sequence[str]) -> str:
     return "[" + ", ".join('"' + v.replace("\\", "").replace('"', "") + '"' for v in values) + "]"
 
 
-class MilvusEngine(Engine):
+class MilvusEngine(ThreadedEngine):
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -168,11 +168,6 @@ class MilvusEngine(Engine):
             self._dims[space] = dims
         return self._dims[space]
 
-    async def add(
-        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None = None
-    ) -> None:
-        await asyncio.to_thread(self._add, space, list(passages), vectors)
-
     def _add(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None:
         if not passages:
             return
@@ -241,11 +236,6 @@ class MilvusEngine(Engine):
         if not terms(query):
             return []
         return await asyncio.to_thread(self._search, space, query, "sparse", limit, documents)
-
-    async def nearest(
-        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
-    ) -> list[Hit]:
-        return await asyncio.to_thread(self._nearest, space, vector, limit, documents)
 
     def _nearest(
         self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None

@@ -34,7 +34,7 @@ import numpy as np
 import tantivy
 
 from ..scoring import terms, top, unit_rows
-from .base import Engine, EngineError, Hit, Passage, url_path
+from .base import EngineError, Hit, Passage, ThreadedEngine, url_path
 from .vectors import Vectors
 
 WRITER_HEAP_BYTES = 64 * 1024 * 1024
@@ -66,7 +66,7 @@ def _schema() -> tantivy.Schema:
     return builder.build()
 
 
-class TantivyEngine(Engine):
+class TantivyEngine(ThreadedEngine):
     def __init__(self, url: str, *, vector_cache_bytes: int = 512 << 20) -> None:
         self.folder = Path(url_path(url))
         self.schema = _schema()
@@ -205,11 +205,6 @@ class TantivyEngine(Engine):
 
     # -- the interface ------------------------------------------------------------------
 
-    async def add(
-        self, space: str, passages: Sequence[Passage], vectors: np.ndarray | None = None
-    ) -> None:
-        await asyncio.to_thread(self._add, space, list(passages), vectors)
-
     def _add(self, space: str, passages: list[Passage], vectors: np.ndarray | None) -> None:
         if not passages:
             return
@@ -325,11 +320,6 @@ class TantivyEngine(Engine):
             except sqlite3.Error as exc:
                 raise EngineError(f"the collections engine failed: {exc}") from exc
         return out
-
-    async def nearest(
-        self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None = None
-    ) -> list[Hit]:
-        return await asyncio.to_thread(self._nearest, space, vector, limit, documents)
 
     def _nearest(
         self, space: str, vector: np.ndarray, limit: int, documents: Sequence[str] | None

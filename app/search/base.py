@@ -30,6 +30,17 @@ class SearchScope:
 
 
 @dataclass(frozen=True, slots=True)
+class SearchQuery:
+    """One web search as a provider is asked it: the words, the most results wanted,
+    the focus mode's scope and the caller's filters (None for none)."""
+
+    text: str
+    limit: int
+    scope: SearchScope | None = None
+    filters: SearchFilters | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class MediaResult:
     """An image, or a video: `img_src` the picture (a video's thumbnail), `url` the page
     it is on, `iframe_src` a video's embeddable player; the picture's `width` and
@@ -72,14 +83,18 @@ class SearchProvider(abc.ABC):
         to); "" for one that needs no network."""
         return ""
 
-    @abc.abstractmethod
     async def search(
         self,
         query: str,
         limit: int,
         scope: SearchScope | None = None,
         filters: SearchFilters | None = None,
-    ) -> list[SearchResult]: ...
+    ) -> list[SearchResult]:
+        return await self.find(SearchQuery(query, limit, scope, filters))
+
+    @abc.abstractmethod
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
+        """What `search` asks of the provider, the arguments in one object."""
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         return []

@@ -29,12 +29,12 @@ import httpx
 
 from ..config import DdgsSettings
 from ..errors import SearchError
-from ..results import SearchFilters, SearchResult
+from ..results import SearchResult
 from .base import (
     MediaResult,
     NewsItem,
     SearchProvider,
-    SearchScope,
+    SearchQuery,
     absolute,
     pixels,
     site_query,
@@ -99,18 +99,12 @@ class DdgsSearch(SearchProvider):
     def endpoint(self) -> str:
         return "https://html.duckduckgo.com"  # the library's first service
 
-    async def search(
-        self,
-        query: str,
-        limit: int,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
         found = []
-        recency = filters.recency if filters is not None else ""
+        recency = query.filters.recency if query.filters is not None else ""
         limit_to = {"hour": "d"}.get(recency, recency[:1])
-        query = site_query(query, scope, filters)
-        for item in await self._ask("text", query, limit, timelimit=limit_to):
+        words = site_query(query.text, query.scope, query.filters)
+        for item in await self._ask("text", words, query.limit, timelimit=limit_to):
             url = absolute(item.get("href"))
             if url:
                 found.append(
@@ -120,7 +114,7 @@ class DdgsSearch(SearchProvider):
                         snippet=text(item.get("body")),
                     )
                 )
-        return found[:limit]
+        return found[: query.limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         found = []

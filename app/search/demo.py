@@ -7,8 +7,8 @@ from __future__ import annotations
 from urllib.parse import quote_plus
 
 from ..model import topic_of
-from ..results import SearchFilters, SearchResult
-from .base import SearchProvider, SearchScope
+from ..results import SearchResult
+from .base import SearchProvider, SearchQuery
 
 
 class DemoSearch(SearchProvider):
@@ -16,15 +16,9 @@ class DemoSearch(SearchProvider):
 
     name = "demo"
 
-    async def search(
-        self,
-        query: str,
-        limit: int,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
-        topic = topic_of(query)
-        q = quote_plus(query)
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
+        topic = topic_of(query.text)
+        q = quote_plus(query.text)
         where = [
             ("Wikipedia", f"https://en.wikipedia.org/w/index.php?search={q}"),
             ("Wikinews", f"https://en.wikinews.org/w/index.php?search={q}"),
@@ -43,4 +37,4 @@ class DemoSearch(SearchProvider):
         return [
             SearchResult(title=f"{topic.capitalize()} — {site} (demo)", url=url, snippet=fact)
             for (site, url), fact in zip(where, facts, strict=True)
-        ][:limit]
+        ][: query.limit]

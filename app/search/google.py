@@ -20,11 +20,11 @@ import httpx
 
 from ..config import GoogleSettings
 from ..errors import SearchError
-from ..results import SearchFilters, SearchResult
+from ..results import SearchResult
 from .base import (
     MediaResult,
     SearchProvider,
-    SearchScope,
+    SearchQuery,
     absolute,
     iso_date,
     pixels,
@@ -75,26 +75,22 @@ class GoogleSearch(SearchProvider):
     def endpoint(self) -> str:
         return self.settings.base_url
 
-    async def search(
-        self,
-        query: str,
-        limit: int,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
         params = {}
+        filters = query.filters
         if filters is not None and filters.recency:
             params["dateRestrict"] = DATE_RESTRICT[filters.recency]
         if filters is not None and (filters.after or filters.before):
             start = filters.after.strftime("%Y%m%d") if filters.after else "19700101"
             end = filters.before.strftime("%Y%m%d") if filters.before else "99991231"
             params["sort"] = f"date:r:{start}:{end}"
-        items = await self._items(site_query(query, scope, filters), limit, **params)
+        words = site_query(query.text, query.scope, filters)
+        items = await self._items(words, query.limit, **params)
         found = results_from(
             items, title="title", url="link", snippet="snippet", provider=self.name
         )
         dated = {item.get("link"): item for item in items if isinstance(item, dict)}
-        return [dates_of(r, dated.get(r.url)) for r in found][:limit]
+        return [dates_of(r, dated.get(r.url)) for r in found][: query.limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         found = []

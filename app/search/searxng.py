@@ -17,12 +17,12 @@ import httpx
 
 from ..config import SearxngSettings
 from ..errors import SearchError
-from ..results import SearchFilters, SearchResult
+from ..results import SearchResult
 from .base import (
     MediaResult,
     NewsItem,
     SearchProvider,
-    SearchScope,
+    SearchQuery,
     absolute,
     pixels,
     results_from,
@@ -55,17 +55,12 @@ class SearxngSearch(SearchProvider):
     def endpoint(self) -> str:
         return self.settings.url
 
-    async def search(
-        self,
-        query: str,
-        limit: int,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
+        scope, filters = query.scope, query.filters
         engines = scope.engines if scope is not None else ()
         # the mode's engines, or else its sites as `site:`; the domain filters as `site:`
         # and `-site:` either way (the engines that know the operators apply them)
-        params = {"q": site_query(query, None if engines else scope, filters)}
+        params = {"q": site_query(query.text, None if engines else scope, filters)}
         if engines:
             params["engines"] = ",".join(engines)
         if filters is not None and filters.recency:
@@ -78,7 +73,7 @@ class SearxngSearch(SearchProvider):
             snippet="content",
             provider=self.name,
             published="publishedDate",
-        )[:limit]
+        )[: query.limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         found = []

@@ -15,8 +15,8 @@ import httpx
 
 from ..config import TavilySettings
 from ..errors import SearchError
-from ..results import SearchFilters, SearchResult
-from .base import MediaResult, NewsItem, SearchProvider, SearchScope, absolute, results_from, text
+from ..results import SearchResult
+from .base import MediaResult, NewsItem, SearchProvider, SearchQuery, absolute, results_from, text
 
 
 class TavilySearch(SearchProvider):
@@ -45,17 +45,11 @@ class TavilySearch(SearchProvider):
     def endpoint(self) -> str:
         return self.settings.base_url
 
-    async def search(
-        self,
-        query: str,
-        limit: int,
-        scope: SearchScope | None = None,
-        filters: SearchFilters | None = None,
-    ) -> list[SearchResult]:
-        body: dict[str, Any] = {"query": query, "max_results": limit}
-        if scope is not None and scope.sites:
-            body["include_domains"] = list(scope.sites)
-        if filters is not None:
+    async def find(self, query: SearchQuery) -> list[SearchResult]:
+        body: dict[str, Any] = {"query": query.text, "max_results": query.limit}
+        if query.scope is not None and query.scope.sites:
+            body["include_domains"] = list(query.scope.sites)
+        if (filters := query.filters) is not None:
             if filters.include:
                 body["include_domains"] = list(filters.include)
             if filters.exclude:
@@ -74,7 +68,7 @@ class TavilySearch(SearchProvider):
             snippet="content",
             provider=self.name,
             published="published_date",
-        )[:limit]
+        )[: query.limit]
 
     async def images(self, query: str, limit: int) -> list[MediaResult]:
         answer = await self._search(

@@ -3,24 +3,9 @@ backend is chosen by URL."""
 
 from __future__ import annotations
 
+from . import records
 from .base import Store
-from .records import (
-    Account,
-    AccountChange,
-    ApiKey,
-    Chat,
-    Checkpoint,
-    CollectionRecord,
-    DocumentRecord,
-    FileRecord,
-    GroupRecord,
-    Saved,
-    ShareRecord,
-    StoredChunk,
-    StoredMessage,
-    StoredResponse,
-    Usage,
-)
+from .records import *  # noqa: F403 - the records are the store's vocabulary
 
 
 def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100) -> Store:
@@ -42,22 +27,4 @@ def open_store(url: str, *, pool_size: int = 10, statement_cache_size: int = 100
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:/// or postgresql://")
 
 
-__all__ = [
-    "Account",
-    "AccountChange",
-    "ApiKey",
-    "Chat",
-    "Checkpoint",
-    "CollectionRecord",
-    "DocumentRecord",
-    "FileRecord",
-    "GroupRecord",
-    "Saved",
-    "ShareRecord",
-    "Store",
-    "StoredChunk",
-    "StoredMessage",
-    "StoredResponse",
-    "Usage",
-    "open_store",
-]
+__all__ = ["Store", "open_store", *records.__all__]

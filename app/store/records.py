@@ -7,6 +7,24 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+__all__ = [
+    "Account",
+    "AccountChange",
+    "ApiKey",
+    "Chat",
+    "Checkpoint",
+    "CollectionRecord",
+    "DocumentRecord",
+    "FileRecord",
+    "GroupRecord",
+    "Saved",
+    "ShareRecord",
+    "StoredChunk",
+    "StoredMessage",
+    "StoredResponse",
+    "Usage",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Chat:

@@ -320,7 +320,6 @@ class StreamHub(abc.ABC):
     async def ping(self) -> None:
         """Raise if the backend cannot answer."""
 
-    @abc.abstractmethod
     async def register(
         self,
         handle: Handle,
@@ -337,6 +336,16 @@ class StreamHub(abc.ABC):
         restart and cannot tell yet). `on_cancel` is called (in this process, on
         the event loop) when a cancel for the chat arrives from any process.
         """
+        log, cap_key = await self.claim(handle, cap_key, max_running)
+        self.local.add(log, on_cancel, cap_key)
+        return log
+
+    @abc.abstractmethod
+    async def claim(
+        self, handle: Handle, cap_key: str, max_running: int
+    ) -> tuple[GenerationLog, str]:
+        """`register`'s claim, with its errors: the generation's new log, and the key
+        its cap is counted under."""
 
     @abc.abstractmethod
     async def abandon(self, handle: Handle) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from ..events import Event, Handle
 from .base import GenerationLog, LocalRegistry, StreamHub
@@ -20,18 +20,11 @@ class MemoryHub(StreamHub):
     async def close(self) -> None:
         self.local.close()
 
-    async def register(
-        self,
-        handle: Handle,
-        on_cancel: Callable[[], None],
-        *,
-        cap_key: str = "",
-        max_running: int = 0,
-    ) -> GenerationLog:
+    async def claim(
+        self, handle: Handle, cap_key: str, max_running: int
+    ) -> tuple[GenerationLog, str]:
         self.local.check_free(handle, cap_key, max_running)
-        log = GenerationLog(handle)
-        self.local.add(log, on_cancel, cap_key)
-        return log
+        return GenerationLog(handle), cap_key
 
     async def abandon(self, handle: Handle) -> None:
         self.local.release(handle, keep_log=False)

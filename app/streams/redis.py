@@ -25,7 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis.exceptions import MaxConnectionsError, RedisError
@@ -231,14 +231,9 @@ class RedisHub(StreamHub):
 
     # -- registry -------------------------------------------------------------------
 
-    async def register(
-        self,
-        handle: Handle,
-        on_cancel: Callable[[], None],
-        *,
-        cap_key: str = "",
-        max_running: int = 0,
-    ) -> GenerationLog:
+    async def claim(
+        self, handle: Handle, cap_key: str, max_running: int
+    ) -> tuple[GenerationLog, str]:
         wait = self.recovery.refusing()
         if wait > 0:
             raise recovering(wait)
@@ -254,11 +249,9 @@ class RedisHub(StreamHub):
             if max_running and running > max_running:
                 await self.claims.unclaim(handle, payload, cap_key)
                 raise too_many(max_running)
-        log_ = GenerationLog(handle, self.commits.queue)
-        self.local.add(log_, on_cancel, cap_key)
         self._extended[handle.answer_id] = time.monotonic()
         self._fresh.add(handle.answer_id)
-        return log_
+        return GenerationLog(handle, self.commits.queue), cap_key
 
     async def abandon(self, handle: Handle) -> None:
         entry = self.local.entry(handle.chat_id)

@@ -101,8 +101,11 @@ json_errors = answering_errors(error_response)
 openai_errors = answering_errors(openai_error)
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The decoded JSON body; 413 `BAD_REQUEST` past `max_bytes`, 400 when not JSON.
+async def read_json(
+    request: Request, max_bytes: int, *, setting: str = "limits.max_body_bytes"
+) -> Any:
+    """The decoded JSON body; 413 `BAD_REQUEST` past `max_bytes` (naming the `setting`
+    that says so, if any), 400 when not JSON.
 
     An over-large body is read to its end (up to `DRAIN_BYTES`, `DRAIN_SECONDS`) and
     dropped before the 413 goes out: a server that answers and closes while the
@@ -127,7 +130,8 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     except TimeoutError:
         pass  # a slow over-large body: answer now
     if too_large:
-        raise BadRequest(f"body is larger than {max_bytes} bytes", status=413)
+        named = f" (the server's {setting})" if setting else ""
+        raise BadRequest(f"body is larger than {max_bytes} bytes{named}", status=413)
     if not size:
         raise BadRequest("body is empty: send the request as JSON")
     return loads(b"".join(chunks))
@@ -153,7 +157,7 @@ async def read_form(
     size, read to its end first)."""
     declared = request.headers.get("content-length")
     if declared is not None and is_number(declared) and int(declared) > limit:
-        await read_json(request, limit)  # reads it to its end, then says 413
+        await read_json(request, limit, setting="")  # reads it to its end, then says 413
     size = 0
 
     async def bounded() -> AsyncGenerator[bytes, None]:

@@ -1,19 +1,18 @@
-"""Tests that try to break it: fuzzed input, upstream faults, abrupt and stuck clients,
-Redis going away — always a well-formed answer, nothing leaked, nothing lost."""
+"""Hostile and malformed input, fuzzed and hand-made: request bodies, WebSocket
+frames, headers and query parameters over raw sockets, routes that fail — always a
+well-formed answer in the protocol's shape, never a 500."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import socket
-import time
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 import orjson
 import pytest
+from httpx_ws import aconnect_ws
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
@@ -21,11 +20,11 @@ from hypothesis import strategies as st
 from app.errors import BadRequest
 from app.main import create_app
 from app.protocol import loads, parse_chat_request
-from tests.client import SseEvent, chat_body, iter_sse, sse_chat, wait_for
-from tests.conftest import USER, RedisServer
+from tests.client import chat_body
 from tests.servers import serve
 
 pytestmark = pytest.mark.anyio
+
 
 KEYS = (
     "BAD_REQUEST",
@@ -40,6 +39,7 @@ KEYS = (
     "INTERNAL",
 )
 
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -51,6 +51,8 @@ json_values = st.recursive(
     ),
     max_leaves=20,
 )
+
+
 request_like = st.fixed_dictionaries(
     {},
     optional={
@@ -174,319 +176,6 @@ def test_the_websocket_survives_any_frames(fuzz_server, frames, binary):
                 assert frame["key"] in KEYS
 
 
-async def _state(app):
-    service = app.state.service
-    return {
-        "generations": service.running(),
-        "claims": len(service.hub.local.running()),
-        "tasks": len(asyncio.all_tasks()),
-    }
-
-
-async def settled(server, baseline_tasks, timeout=10.0):
-    """Wait until nothing runs on the server beyond what it ran when idle."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = server.call(_state(server.app))
-        if (state["generations"], state["claims"]) == (0, 0) and state["tasks"] <= baseline_tasks:
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"leaked: {state} (idle tasks: {baseline_tasks})")
-        await asyncio.sleep(0.05)
-
-
-@pytest.mark.parametrize(
-    ("directive", "key"),
-    [
-        ("#fail=500", "STREAM_ERROR"),
-        ("#fail=503", "STREAM_ERROR"),
-        ("#fail=429", "STREAM_ERROR"),
-        ("#break=3", "STREAM_ERROR"),
-        ("#malformed=3", "STREAM_ERROR"),
-        ("#empty", "STREAM_ERROR"),
-        ("#tokens=3 #delay=1.5", "STREAM_ERROR"),  # read timeout between tokens
-    ],
-)
-async def test_upstream_faults_end_cleanly_with_nothing_leaked(
-    settings, fake_model, directive, key
-):
-    with serve(create_app(settings.replace(llm={"read_timeout_seconds": 0.5}))) as server:
-        idle = server.call(_state(server.app))["tasks"]
-        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-            events = await sse_chat(http, chat_body(f"q {directive}", chatId="960"))
-            assert events[-1].type == "error" and events[-1].data["key"] == key
-            answer = (await http.get("/api/chats/960")).json()["messages"][-1]
-            assert answer["status"] == "failed"
-            await settled(server, idle + 2)  # the title chore may still be finishing
-    for record in fake_model.streams:
-        assert record.outcome != "open"
-
-
-async def test_a_429_before_the_first_token_is_retried_once(client, fake_model):
-    events = await sse_chat(client, chat_body("q #flaky=429"))
-    assert events[-1].data["status"] == "completed"
-    assert len(fake_model.streamed_requests()) == 2
-
-
-async def test_a_model_that_never_answers_times_out(settings, fake_model):
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)  # accepts connections, never says a word
-    port = silent.getsockname()[1]
-    try:
-        mute = settings.replace(
-            llm={"base_url": f"http://127.0.0.1:{port}/v1", "read_timeout_seconds": 0.5}
-        )
-        with serve(create_app(mute)) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                started = time.monotonic()
-                events = await sse_chat(http, chat_body("q"))
-                assert time.monotonic() - started < 5
-        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
-    finally:
-        silent.close()
-
-
-async def test_two_hundred_abrupt_disconnects_leak_nothing(settings, fake_model):
-    uncapped = settings.replace(limits={"max_concurrent_generations": 0})
-    with serve(create_app(uncapped)) as server:
-        await _two_hundred_abrupt_disconnects(server)
-
-
-async def _two_hundred_abrupt_disconnects(server):
-    idle = server.call(_state(server.app))["tasks"]
-    async with httpx.AsyncClient(
-        base_url=server.url,
-        timeout=30,
-        limits=httpx.Limits(max_connections=60),
-        event_hooks=USER,
-    ) as http:
-
-        async def hang_up(i):
-            body = chat_body(f"q{i} #tokens=30 #delay=0.01 #reasoning=0", chatId=str(10_000 + i))
-            async with http.stream("POST", "/api/chat/sse", json=body) as response:
-                assert response.status_code == 200
-                async for line in response.aiter_lines():
-                    if '"data":"tok1 "' in line:
-                        return  # drop the connection mid-answer
-            raise AssertionError("the answer ended before the client hung up")
-
-        for start in range(0, 200, 50):
-            await asyncio.gather(*(hang_up(i) for i in range(start, start + 50)))
-        state = await settled(server, idle + 2, timeout=30)
-        assert state["generations"] == 0
-        metrics = (await http.get("/metrics")).text
-        assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics
-        saved = (await http.get("/api/chats/10199")).json()["messages"][-1]
-        assert saved["status"] == "completed"  # each kept going after its client left
-        assert saved["content"].endswith("tok29 ")
-
-
-async def others_go_on_and_the_stuck_answer_is_saved(http: httpx.AsyncClient, stuck: str) -> None:
-    """Another chat streams at full speed meanwhile; the stuck one's generation still
-    ends, and is saved whole."""
-    await asyncio.sleep(0.5)
-    started = time.monotonic()
-    events = await sse_chat(http, chat_body("meanwhile #tokens=50", chatId=str(int(stuck) + 1)))
-    assert events[-1].data["status"] == "completed"
-    assert time.monotonic() - started < 1.0
-    deadline = time.monotonic() + 20
-    while True:
-        answer = (await http.get(f"/api/chats/{stuck}")).json()["messages"][-1]
-        if answer["status"] != "streaming" or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert answer["status"] == "completed"
-    assert len(answer["content"]) == 4000 * 2000
-
-
-async def test_a_stuck_client_does_not_slow_others_and_is_let_go(settings, fake_model):
-    with serve(create_app(settings.replace(stream={"client_timeout_seconds": 1.0}))) as server:
-        stuck = socket.create_connection(("127.0.0.1", server.port))
-        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        body = orjson.dumps(chat_body("huge #tokens=4000 #size=2000 #reasoning=0", chatId="970"))
-        stuck.sendall(
-            b"POST /api/chat/sse HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            + b"content-length: %d\r\n\r\n" % len(body)
-            + body
-        )  # ... and never reads
-        try:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                await others_go_on_and_the_stuck_answer_is_saved(http, "970")
-                for _ in range(50):  # let go within client_timeout_seconds of its last write
-                    metrics = (await http.get("/metrics")).text
-                    if 'searchchat_connections_active{transport="sse"} 0.0' in metrics:
-                        break
-                    await asyncio.sleep(0.1)
-                assert 'searchchat_connections_active{transport="sse"} 0.0' in metrics
-        finally:
-            stuck.close()
-
-
-def masked_text_frame(text: bytes) -> bytes:
-    """A client's WebSocket text frame (clients mask theirs)."""
-    mask = b"\x01\x02\x03\x04"
-    n = len(text)
-    header = b"\x81" + (bytes([0x80 | n]) if n < 126 else b"\xfe" + n.to_bytes(2, "big"))
-    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(text))
-
-
-async def test_a_stuck_websocket_client_is_let_go_and_does_not_slow_others(
-    settings, fake_model, caplog
-):
-    caplog.set_level(logging.INFO, logger="app")
-    with serve(create_app(settings.replace(stream={"client_timeout_seconds": 1.0}))) as server:
-        stuck = socket.create_connection(("127.0.0.1", server.port))
-        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stuck.sendall(
-            b"GET /api/chat/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-            b"Sec-WebSocket-Version: 13\r\n\r\n"
-        )
-        assert b" 101 " in stuck.recv(4096).split(b"\r\n", 1)[0] + b" "
-        body = chat_body("huge #tokens=4000 #size=2000 #reasoning=0", chatId="972")
-        stuck.sendall(masked_text_frame(orjson.dumps(body)))  # ... and never reads again
-        try:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                await others_go_on_and_the_stuck_answer_is_saved(http, "972")
-
-                # let go within client_timeout_seconds (and a watch interval) of the stuck write
-                async def let_go() -> bool:
-                    return "closing a websocket that stopped reading" in caplog.text
-
-                await wait_for(let_go, timeout=5)
-        finally:
-            stuck.close()
-
-
-async def test_redis_down_refuses_new_work_clearly_then_recovers(settings, fake_model):
-    redis = RedisServer()
-    app = create_app(settings.replace(redis={"url": redis.url}, stream={"flush_interval_ms": 10}))
-    with redis, serve(app) as running:
-        redis.stop()
-        # redis is gone: a running stream was not there, but new ones are refused clearly
-        async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:
-            refused = await http.post("/api/chat/sse", json=chat_body("q"))
-            assert refused.status_code == 503 and refused.json()["key"] == "INTERNAL"
-            assert "registry is unavailable" in refused.json()["data"]
-            assert "127.0.0.1" not in refused.text and "Error" not in refused.text
-            cancel = await http.post("/api/chat/cancel", json={"chatId": "1", "userId": "1"})
-            assert cancel.status_code == 503
-        redis.start()
-        async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:
-            # Redis came back empty: new work waits (503 + Retry-After) until every owner
-            # has had time to re-assert what it runs
-            async def accepted():
-                ready = await http.get("/readyz")
-                probe = await http.post("/api/chat/sse", json=chat_body("probe #tokens=1"))
-                if probe.status_code == 503:
-                    assert probe.headers["retry-after"].isdigit()
-                    assert "recovering" in probe.json()["data"], probe.text
-                return ready.status_code == 200 and probe.status_code == 200
-
-            await wait_for(accepted, timeout=15)
-            async with http.stream(
-                "POST",
-                "/api/chat/sse",
-                json=chat_body("long #tokens=200 #delay=0.01", chatId="980"),
-            ) as response:
-                stream = iter_sse(response)
-                async for item in stream:
-                    if isinstance(item, SseEvent) and item.type == "message" and item.data["data"]:
-                        break
-                assert (
-                    await http.post("/api/chat/cancel", json={"chatId": "980", "userId": "1"})
-                ).status_code == 200
-                tail = [e async for e in stream if isinstance(e, SseEvent)]
-            assert tail[-1].data["status"] == "cancelled"
-
-
-async def test_streams_continue_while_redis_restarts(settings, fake_model):
-    redis = RedisServer()
-    app = create_app(settings.replace(redis={"url": redis.url}, stream={"flush_interval_ms": 10}))
-    with redis, serve(app) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-            async with http.stream(
-                "POST",
-                "/api/chat/sse",
-                json=chat_body("long #tokens=150 #delay=0.02", chatId="990"),
-            ) as response:
-                events = []
-                async for item in iter_sse(response):
-                    if isinstance(item, SseEvent):
-                        events.append(item)
-                        if len(events) == 10:
-                            redis.stop()  # redis stops mid-answer
-                        if len(events) == 60:
-                            redis.start()  # ... and comes back
-            assert events[-1].data["status"] == "completed"
-            assert "".join(e.data["data"] for e in events if e.type == "message") == "".join(
-                f"tok{i} " for i in range(150)
-            )
-            # once back, the generation can still be resumed here (Redis lost what it held)
-            await asyncio.sleep(0.5)
-            replay = await http.get("/api/chat/sse/resume", params={"chatId": "990"})
-            assert replay.status_code == 200
-            assert replay.text.count("data:") == len(events)
-
-
-async def test_a_model_that_cannot_be_connected_to_times_out(settings, fake_model):
-    full = socket.socket()
-    full.bind(("127.0.0.1", 0))
-    full.listen(0)  # a backlog that is full at once: further SYNs go unanswered
-    port = full.getsockname()[1]
-    fillers = []
-    for _ in range(4):  # fill the accept queue; connections that never get accepted
-        filler = socket.socket()
-        filler.setblocking(False)
-        filler.connect_ex(("127.0.0.1", port))
-        fillers.append(filler)
-    try:
-        hanging = settings.replace(
-            llm={"base_url": f"http://127.0.0.1:{port}/v1", "connect_timeout_seconds": 0.5}
-        )
-        with serve(create_app(hanging)) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                started = time.monotonic()
-                events = await sse_chat(http, chat_body("q"))
-                elapsed = time.monotonic() - started
-        assert events[-1].data["key"] == "CHAT_ERROR" and "in time" in events[-1].data["data"]
-        assert elapsed < 5
-    finally:
-        for filler in fillers:
-            filler.close()
-        full.close()
-
-
-async def test_a_postgres_restart_mid_generation_loses_nothing(settings, fake_model):
-    from tests.conftest import PostgresServer, new_database
-
-    postgres = PostgresServer()
-    postgres.start()
-    try:
-        store_url = new_database(postgres.url)
-        with serve(create_app(settings.replace(store={"url": store_url}))) as server:
-            async with httpx.AsyncClient(base_url=server.url, timeout=20, event_hooks=USER) as http:
-                async with http.stream(
-                    "POST",
-                    "/api/chat/sse",
-                    json=chat_body("long #tokens=60 #delay=0.02", chatId="995"),
-                ) as response:
-                    events = []
-                    async for item in iter_sse(response):
-                        if isinstance(item, SseEvent):
-                            events.append(item)
-                            if len(events) == 5:
-                                postgres.stop()  # the database restarts mid-answer ...
-                                postgres.start()
-                assert events[-1].data["status"] == "completed"  # ... and the answer is saved
-                answer = (await http.get("/api/chats/995")).json()["messages"][-1]
-                assert answer["status"] == "completed"
-                assert answer["content"] == "".join(f"tok{i} " for i in range(60))
-    finally:
-        postgres.remove()
-
-
 #: query and header values as hostile clients send them: Unicode digits, huge numbers,
 #: NUL, separators, long runs
 hostile_text = st.one_of(
@@ -526,8 +215,6 @@ def test_query_parameters_and_headers_never_make_a_500(fuzz_server, limit, since
                 assert answer.json()["type"] == "error", answer.text
 
 
-# -- headers and query parameters, over raw sockets, with auth off and on ------------------------
-
 #: hostile values for any header or query parameter: the above, plus huge ones, NULs,
 #: control characters and Unicode digits (sent as their UTF-8 bytes)
 hostile_value = st.one_of(
@@ -560,6 +247,8 @@ hostile_value = st.one_of(
         ]
     ),
 )
+
+
 #: the fuzzed headers, each with a value a client would send (the key of the server
 #: with auth on): a request has each left out, as a client sends it, or hostile
 FUZZED_HEADERS = {
@@ -569,6 +258,8 @@ FUZZED_HEADERS = {
     "content-type": "application/json",
     "x-forwarded-for": "203.0.113.7",
 }
+
+
 CHAT = orjson.dumps(chat_body("fuzz #tokens=1 #reasoning=0"))
 
 
@@ -819,3 +510,46 @@ def test_where_a_sign_in_goes_next_is_always_this_server(value):
     location = RedirectResponse(_next(value)).headers["location"]
     as_read = location.translate({9: None, 10: None, 13: None}).replace("\\", "/")
     assert urlsplit(urljoin("https://chat.example/signin", as_read)).netloc == "chat.example"
+
+
+async def test_unicode_digits_are_a_400_not_a_500(server, fake_model):
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+        listed = await http.get("/api/chats", params={"limit": "²", "userId": "1"})
+        assert listed.status_code == 400 and listed.json()["key"] == "BAD_REQUEST"
+        async with aconnect_ws(server.ws_url + "/api/chat/ws", http) as ws:
+            await ws.receive_text()
+            await ws.send_text(
+                orjson.dumps({"type": "resume", "chatId": "c1", "lastEventId": "1:²"}).decode()
+            )
+            frame = orjson.loads(await ws.receive_text())
+    assert frame["type"] == "error" and frame["key"] == "BAD_REQUEST", frame
+
+
+async def test_a_bug_in_any_route_still_answers_in_its_protocols_shape(
+    settings, fake_model, monkeypatch
+):
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("app.transport.api.choose_provider", broken)
+    monkeypatch.setattr("app.transport.openai.model_ids", broken)
+    with serve(create_app(settings)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=10) as http:
+            config = await http.get("/api/config")
+            models = await http.get("/v1/models")
+    assert config.status_code == 500
+    assert config.json() == {"type": "error", "key": "INTERNAL", "data": "internal error"}
+    assert models.status_code == 500 and models.json()["error"]["message"] == "internal error"
+
+
+async def test_an_unknown_route_answers_in_its_protocols_shape(client):
+    for path in ("/api/nope", "/api/chats/a/b", "/sources/a/b"):
+        answer = await client.get(path)
+        assert answer.status_code == 404, path
+        assert answer.json()["type"] == "error" and answer.json()["key"] == "NOT_FOUND", path
+    answer = await client.get("/v1/nope")
+    # as OpenAI answers an unknown URL: no code (`model_not_found` is for a model)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] is None
+    answer = await client.put("/api/chats")
+    assert answer.status_code == 405 and answer.json()["key"] == "BAD_REQUEST"
+    assert (await client.get("/")).status_code == 200  # the web client, as before
