@@ -1,0 +1,221 @@
+"""`/mcp` (PROTOCOL §14, server): the official `mcp` client through real uvicorn with the
+fake model and the fake web — tools, progress, cancel, resume, auth, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import httpx2
+import orjson
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+from app.main import create_app
+from tests.fakes.search import RELEVANT_QUESTION
+from tests.servers import serve
+
+pytestmark = pytest.mark.anyio
+
+HANDSHAKE = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
+
+
+@contextlib.asynccontextmanager
+async def session(url: str, key: str | None = None) -> AsyncIterator[ClientSession]:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=30) as http,
+        streamable_http_client(url + "/mcp", http_client=http) as (read, write),
+        ClientSession(read, write) as client,
+    ):
+        await client.initialize()
+        yield client
+
+
+def initialize(version: str = "2025-06-18") -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": version,
+            "capabilities": {},
+            "clientInfo": {"name": "test", "version": "1"},
+        },
+    }
+
+
+async def test_the_tools_are_listed(settings, fake_model, fake_search):
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client:
+            tools = {t.name: t for t in (await client.list_tools()).tools}
+    assert set(tools) == {"web_search", "ask", "deep_research"}
+    assert tools["ask"].input_schema["required"] == ["question"]
+
+
+async def test_web_search_answers_results_as_structured_content(settings, fake_model, fake_search):
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client:
+            result = await client.call_tool(
+                "web_search", {"query": RELEVANT_QUESTION, "max_results": 3}
+            )
+    assert not result.is_error
+    results = result.structured_content["results"]
+    assert 0 < len(results) <= 3
+    assert {"title", "url", "snippet"} <= set(results[0])
+    assert results[0]["url"] in result.content[0].text
+
+
+async def test_ask_answers_with_citations_progress_and_a_saved_chat(
+    settings, fake_model, fake_search
+):
+    fake_model.answer_text = "Raptor burns methane [1]."
+    notes: list[tuple[float, str | None]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        notes.append((value, message))
+
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client:
+            result = await client.call_tool(
+                "ask", {"question": RELEVANT_QUESTION}, progress_callback=progress
+            )
+        data = result.structured_content
+        async with httpx.AsyncClient() as http:
+            saved = await http.get(server.url + f"/api/chats/{data['chatId']}?userId=0")
+        chat = saved.json()
+    assert not result.is_error
+    assert data["answer"] == "Raptor burns methane [1]."
+    assert data["sources"][0]["n"] == 1 and data["sources"][0]["url"].startswith("http")
+    assert "Raptor burns methane [1]." in result.content[0].text
+    assert chat["messages"][-1]["id"] == data["messageId"]
+    assert chat["messages"][-1]["content"] == data["answer"]
+    assert notes and all(isinstance(m, str) and m for _, m in notes)
+    assert [v for v, _ in notes] == sorted(v for v, _ in notes)
+
+
+async def test_unknown_tools_and_wrong_arguments_are_json_rpc_errors(
+    settings, fake_model, fake_search
+):
+    from mcp.shared.exceptions import MCPError
+
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client:
+            for name, args in [
+                ("nope", {}),
+                ("ask", {}),
+                ("ask", {"question": "x", "optimization_mode": "slow"}),
+                ("ask", {"question": "x", "model": "other/model"}),
+                ("web_search", {"query": "x", "max_results": 0}),
+            ]:
+                with pytest.raises(MCPError) as caught:
+                    await client.call_tool(name, args)
+                assert caught.value.error.code == -32602
+                if "model" in args:
+                    assert "default/fake-chat" in caught.value.error.message
+
+
+def test_mcp_off_is_not_found(settings):
+    with serve(create_app(settings.replace(mcp={"server": False}))) as server:
+        response = httpx.post(server.url + "/mcp", json=initialize(), headers=HANDSHAKE)
+    assert response.status_code == 404
+
+
+def test_a_batch_is_refused_per_revision(settings):
+    with serve(create_app(settings)) as server:
+        new = httpx.post(
+            server.url + "/mcp",
+            content=orjson.dumps([initialize()]),
+            headers={**HANDSHAKE, "mcp-protocol-version": "2025-06-18"},
+        )
+        old = httpx.post(
+            server.url + "/mcp",
+            content=orjson.dumps([initialize("2025-03-26")]),
+            headers={**HANDSHAKE, "mcp-protocol-version": "2025-03-26"},
+        )
+    assert new.status_code == 400 and new.json()["error"]["code"] == -32600
+    assert old.status_code == 400 and old.json()[0]["error"]["code"] == -32600
+
+
+def test_a_body_over_the_limit_is_413_in_json_rpc(settings):
+    with serve(create_app(settings.replace(limits={"max_body_bytes": 1000}))) as server:
+        response = httpx.post(
+            server.url + "/mcp", content=b'{"x":"' + b"a" * 5000 + b'"}', headers=HANDSHAKE
+        )
+    assert response.status_code == 413 and response.json()["error"]["code"] == -32600
+
+
+def test_with_auth_a_request_without_a_key_is_401_naming_the_metadata(settings):
+    with serve(create_app(settings.replace(auth={"api_keys": {"k1": "u1"}}))) as server:
+        refused = httpx.post(server.url + "/mcp", json=initialize(), headers=HANDSHAKE)
+        metadata = [
+            httpx.get(server.url + path).json()
+            for path in (
+                "/.well-known/oauth-protected-resource/mcp",
+                "/.well-known/oauth-protected-resource",
+            )
+        ]
+        allowed = httpx.post(
+            server.url + "/mcp",
+            json=initialize(),
+            headers={**HANDSHAKE, "authorization": "Bearer k1"},
+        )
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == (
+        f'Bearer resource_metadata="{server.url}/.well-known/oauth-protected-resource/mcp"'
+    )
+    for document in metadata:
+        assert document["resource"] == server.url + "/mcp"
+        assert document["authorization_servers"] == []
+        assert document["bearer_methods_supported"] == ["header"]
+    assert allowed.status_code == 200 and allowed.headers["mcp-session-id"]
+
+
+def test_the_metadata_names_the_jwt_issuer(settings):
+    auth = {"mode": "accounts", "jwt": {"issuer": "https://id.example", "audience": "mcp"}}
+    with serve(create_app(settings.replace(auth=auth))) as server:
+        document = httpx.get(server.url + "/.well-known/oauth-protected-resource").json()
+    assert document["authorization_servers"] == ["https://id.example"]
+
+
+MESSAGES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+RPC = st.fixed_dictionaries(
+    {
+        "jsonrpc": st.sampled_from(["2.0", "1.0", 2]),
+        "method": st.sampled_from(
+            ["initialize", "tools/call", "tools/list", "ping", "notifications/cancelled", "nope"]
+        )
+        | st.text(max_size=10),
+    },
+    optional={"id": st.integers() | st.text(max_size=8) | st.none(), "params": MESSAGES},
+)
+
+
+def test_fuzzed_json_rpc_bodies_never_answer_500(settings, fake_model, fake_search):
+    with serve(create_app(settings)) as server, httpx.Client(timeout=30) as http:
+
+        @hsettings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=RPC | MESSAGES, version=st.sampled_from([None, "2025-06-18", "2025-11-25"]))
+        def check(body: Any, version: str | None) -> None:
+            headers = dict(HANDSHAKE)
+            if version:
+                headers["mcp-protocol-version"] = version
+            response = http.post(server.url + "/mcp", content=json.dumps(body), headers=headers)
+            assert response.status_code < 500, response.text
+
+        check()
+        garbage = http.post(server.url + "/mcp", content=b"{nope", headers=HANDSHAKE)
+    assert garbage.status_code == 400 and garbage.json()["error"]["code"] == -32700
