@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import httpx
 import httpx2
 import orjson
@@ -19,8 +20,9 @@ from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from app.main import create_app
+from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import serve
+from tests.servers import processes, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -219,3 +221,175 @@ def test_fuzzed_json_rpc_bodies_never_answer_500(settings, fake_model, fake_sear
         check()
         garbage = http.post(server.url + "/mcp", content=b"{nope", headers=HANDSHAKE)
     assert garbage.status_code == 400 and garbage.json()["error"]["code"] == -32700
+
+
+async def test_a_cancelled_call_stops_the_model_and_saves_the_answer_cancelled(
+    settings, fake_model, fake_search
+):
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client, anyio.create_task_group() as calls:
+            calls.start_soon(client.call_tool, "ask", {"question": RELEVANT_QUESTION + " #hang"})
+            await wait_for(model_streams(fake_model))
+            calls.cancel_scope.cancel()  # the client sends notifications/cancelled
+        record = await fake_model.wait_stream_end()
+        async with httpx.AsyncClient() as http:
+            chats = (await http.get(server.url + "/api/chats?userId=0")).json()["chats"]
+            url = server.url + f"/api/chats/{chats[0]['id']}?userId=0"
+
+            async def saved() -> Any:
+                answer = (await http.get(url)).json()["messages"][-1]
+                return answer if answer["status"] != "streaming" else None
+
+            answer = await wait_for(saved)
+    assert record.outcome == "client_closed"
+    assert answer["status"] == "cancelled"
+
+
+def model_streams(fake_model: Any) -> Any:
+    async def streaming() -> bool:
+        return bool(fake_model.streams)
+
+    return streaming
+
+
+# -- raw Streamable HTTP: resume and cancel on another process ---------------------------------
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """(id, JSON-RPC message) of each event of an SSE response."""
+    event_id, data = "", []
+    async for line in response.aiter_lines():
+        if line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+        elif not line and data:
+            text = "".join(data)  # empty: 2025-11-25's priming event
+            yield event_id, orjson.loads(text) if text else {}
+            event_id, data = "", []
+
+
+async def open_session(http: httpx.AsyncClient, url: str, version: str) -> dict[str, str]:
+    """A handshake: the headers the session's next requests carry."""
+    opened = await http.post(url + "/mcp", json=initialize(version), headers=HANDSHAKE)
+    headers = {
+        **HANDSHAKE,
+        "mcp-session-id": opened.headers["mcp-session-id"],
+        "mcp-protocol-version": version,
+    }
+    done = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert (await http.post(url + "/mcp", json=done, headers=headers)).status_code == 202
+    return headers
+
+
+def ask_call(question: str, request_id: int = 7) -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "method": "tools/call",
+        "params": {
+            "name": "ask",
+            "arguments": {"question": question},
+            "_meta": {"progressToken": "p1"},
+        },
+    }
+
+
+@pytest.fixture
+def pair(tmp_path, model_url, fake_search, redis_url):
+    """Two server processes on one Redis, searching the fake web."""
+    env = {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "LLM_MODEL": "fake-chat",
+        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "REDIS_URL": redis_url,
+        "STREAM_FLUSH_INTERVAL_MS": "10",
+        "SEARCH_PROVIDER": "tavily",
+        "TAVILY_API_KEY": fake_search.api_key,
+        "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
+    }
+    with processes(2, env) as (a, b):
+        yield a, b
+
+
+@pytest.mark.parametrize("version", ["2025-06-18", "2025-11-25"])
+async def test_a_dropped_call_resumes_on_the_other_process(pair, fake_model, version):
+    a, b = pair
+    question = RELEVANT_QUESTION + " #tokens=30 #delay=0.05"
+    async with httpx.AsyncClient(timeout=30) as http:
+        headers = await open_session(http, a.url, version)
+        seen: list[tuple[str, dict[str, Any]]] = []
+        async with http.stream(
+            "POST", a.url + "/mcp", json=ask_call(question), headers=headers
+        ) as live:
+            async for event_id, message in sse_events(live):
+                seen.append((event_id, message))
+                if message.get("method") == "notifications/progress":
+                    break  # the connection drops here
+        last = seen[-1][0]
+        resumed: list[tuple[str, dict[str, Any]]] = []
+        async with http.stream(
+            "GET", b.url + "/mcp", headers={**headers, "last-event-id": last}
+        ) as again:
+            assert again.status_code == 200
+            async for event_id, message in sse_events(again):
+                resumed.append((event_id, message))
+                if "result" in message:
+                    break
+        result = resumed[-1][1]
+        data = result["result"]["structuredContent"]
+        chat = (await http.get(b.url + f"/api/chats/{data['chatId']}?userId=0")).json()
+    assert result["id"] == 7
+    assert data["answer"] == "".join(f"tok{i} " for i in range(30))
+    assert chat["messages"][-1]["content"] == data["answer"]
+    last_seq = int(last.rpartition(":")[2])
+    progress = [m for _, m in resumed if m.get("method") == "notifications/progress"]
+    assert all(m["params"]["progress"] > last_seq for m in progress)
+    assert all(m["params"]["progressToken"] == "p1" for m in progress)
+    assert [i.rpartition(":")[0] for i, _ in resumed] == [last.rpartition(":")[0]] * len(resumed)
+
+
+async def test_a_cancel_sent_to_the_other_process_stops_the_call(pair, fake_model):
+    a, b = pair
+    async with httpx.AsyncClient(timeout=30) as http:
+        headers = await open_session(http, a.url, "2025-06-18")
+        async with http.stream(
+            "POST", a.url + "/mcp", json=ask_call(RELEVANT_QUESTION + " #hang"), headers=headers
+        ) as live:
+            await wait_for(model_streams(fake_model))
+            cancel = {
+                "jsonrpc": "2.0",
+                "method": "notifications/cancelled",
+                "params": {"requestId": 7},
+            }
+            assert (
+                await http.post(b.url + "/mcp", json=cancel, headers=headers)
+            ).status_code == 202
+            messages = [m async for _, m in sse_events(live)]
+        record = await fake_model.wait_stream_end()
+    assert record.outcome == "client_closed"
+    assert "(cancelled)" in messages[-1]["result"]["content"][0]["text"]
+
+
+async def test_another_users_session_is_not_found(settings, fake_model):
+    with serve(create_app(settings.replace(auth={"api_keys": {"k1": "u1", "k2": "u2"}}))) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            mine = await open_session_as(http, server.url, "k1")
+            theirs = {**mine, "authorization": "Bearer k2"}
+            listed = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+            refused = await http.post(server.url + "/mcp", json=listed, headers=theirs)
+            allowed = await http.post(server.url + "/mcp", json=listed, headers=mine)
+    assert refused.status_code == 404
+    assert allowed.status_code == 200
+
+
+async def open_session_as(http: httpx.AsyncClient, url: str, key: str) -> dict[str, str]:
+    auth = {"authorization": f"Bearer {key}"}
+    opened = await http.post(url + "/mcp", json=initialize(), headers={**HANDSHAKE, **auth})
+    return {
+        **HANDSHAKE,
+        **auth,
+        "mcp-session-id": opened.headers["mcp-session-id"],
+        "mcp-protocol-version": "2025-06-18",
+    }
