@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from mcp.client.client import Client
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
@@ -101,6 +102,26 @@ async def test_ask_answers_with_citations_progress_and_a_saved_chat(
     assert chat["messages"][-1]["content"] == data["answer"]
     assert notes and all(isinstance(m, str) and m for _, m in notes)
     assert [v for v, _ in notes] == sorted(v for v, _ in notes)
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_each_revision_the_sdk_speaks_answers_with_progress(
+    settings, fake_model, fake_search, mode
+):
+    notes: list[str | None] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        notes.append(message)
+
+    with serve(create_app(settings)) as server:
+        async with Client(server.url + "/mcp", mode=mode) as client:
+            version = client.protocol_version
+            result = await client.call_tool(
+                "ask", {"question": RELEVANT_QUESTION}, progress_callback=progress
+            )
+    assert version == ("2026-07-28" if mode == "auto" else "2025-11-25")
+    assert result.structured_content["answer"] == "".join(f"tok{i} " for i in range(5))
+    assert notes
 
 
 async def test_unknown_tools_and_wrong_arguments_are_json_rpc_errors(
@@ -223,14 +244,19 @@ def test_fuzzed_json_rpc_bodies_never_answer_500(settings, fake_model, fake_sear
     assert garbage.status_code == 400 and garbage.json()["error"]["code"] == -32700
 
 
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
 async def test_a_cancelled_call_stops_the_model_and_saves_the_answer_cancelled(
-    settings, fake_model, fake_search
+    settings, fake_model, fake_search, mode
 ):
     with serve(create_app(settings)) as server:
-        async with session(server.url) as client, anyio.create_task_group() as calls:
+        async with (
+            Client(server.url + "/mcp", mode=mode) as client,
+            anyio.create_task_group() as calls,
+        ):
             calls.start_soon(client.call_tool, "ask", {"question": RELEVANT_QUESTION + " #hang"})
             await wait_for(model_streams(fake_model))
-            calls.cancel_scope.cancel()  # the client sends notifications/cancelled
+            # legacy: the client sends notifications/cancelled; 2026-07-28: it closes the stream
+            calls.cancel_scope.cancel()
         record = await fake_model.wait_stream_end()
         async with httpx.AsyncClient() as http:
             chats = (await http.get(server.url + "/api/chats?userId=0")).json()["chats"]

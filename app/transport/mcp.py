@@ -602,7 +602,7 @@ class McpEndpoint:
             await rpc_error(code, exc.message, exc.status)(scope, _nothing, send)
             return
         raw = orjson.dumps(body)
-        replay = _replaying(raw)
+        replay = _replaying(raw, request.receive)
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             await self.modern.handle_request(scope, replay, send)
             return
@@ -733,19 +733,19 @@ def batch_refused(body: list[Any], version: str | None) -> Response:
     )
 
 
-def _replaying(body: bytes) -> Receive:
-    """A `receive` that gives `body` once, then waits for the client to go."""
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives `body` (already read from `receive`) once, then what
+    `receive` says (the client's going)."""
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
+        return await receive()
 
-    return receive
+    return replay
 
 
 async def _nothing() -> Message:
