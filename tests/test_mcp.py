@@ -24,6 +24,7 @@ from app.main import create_app
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.servers import processes, serve
+from tests.test_collections import create
 
 pytestmark = pytest.mark.anyio
 
@@ -122,6 +123,42 @@ async def test_each_revision_the_sdk_speaks_answers_with_progress(
     assert version == ("2026-07-28" if mode == "auto" else "2025-11-25")
     assert result.structured_content["answer"] == "".join(f"tok{i} " for i in range(5))
     assert notes
+
+
+async def add_as_anyone(
+    http: httpx.AsyncClient, collection_id: str, files: dict[str, bytes]
+) -> None:
+    """Documents added to a collection of user "0" (auth off, no `userId`), indexed."""
+    url = f"/api/collections/{collection_id}"
+    added = await http.post(url + "/documents", files=[("files", f) for f in files.items()])
+    imported = url + f"/imports/{added.json()['import']['id']}"
+
+    async def indexed() -> bool:
+        progress = (await http.get(imported)).json()
+        return bool(progress["done"] == progress["total"])
+
+    await wait_for(indexed, timeout=60)
+
+
+async def test_search_collection_is_listed_to_a_reader_and_finds_passages(
+    settings, fake_model, fake_search
+):
+    with serve(create_app(settings.replace(embeddings={"model": ""}))) as server:
+        async with session(server.url) as client:
+            before = {t.name for t in (await client.list_tools()).tools}
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                collection = await create(http, user="0")
+                text = b"The Raptor engine burns liquid methane with liquid oxygen."
+                await add_as_anyone(http, collection["id"], {"raptor.txt": text})
+            after = {t.name for t in (await client.list_tools()).tools}
+            result = await client.call_tool(
+                "search_collection",
+                {"collection_id": collection["id"], "query": "methane engine", "limit": 3},
+            )
+    assert "search_collection" not in before and "search_collection" in after
+    passages = result.structured_content["results"]
+    assert passages[0]["metadata"]["collectionId"] == collection["id"]
+    assert "methane" in passages[0]["pageContent"]
 
 
 async def test_unknown_tools_and_wrong_arguments_are_json_rpc_errors(
