@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,7 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 from app.main import create_app
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import processes, serve
+from tests.servers import ROOT, npm_packages, processes, serve
 from tests.test_collections import create
 
 pytestmark = pytest.mark.anyio
@@ -456,3 +459,61 @@ async def open_session_as(http: httpx.AsyncClient, url: str, key: str) -> dict[s
         "mcp-session-id": opened.headers["mcp-session-id"],
         "mcp-protocol-version": "2025-06-18",
     }
+
+
+# -- the Node clients ------------------------------------------------------------------------
+
+
+def run_node(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["node", *args],
+        env={**os.environ, "MCP_CLIENTS_HOME": npm_packages("mcp_clients.sh"), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_typescript_sdk_lists_asks_with_progress_and_searches(
+    settings, fake_model, fake_search
+):
+    fake_model.answer_text = "Raptor burns methane [1]."
+    with serve(create_app(settings)) as server:
+        done = run_node(
+            str(ROOT / "tests" / "mcp_clients" / "sdk.mjs"),
+            env={"URL": server.url + "/mcp", "QUESTION": RELEVANT_QUESTION},
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["sessionId"] and got["version"] in ("2025-06-18", "2025-11-25")
+    assert got["tools"] == ["web_search", "ask", "deep_research"]
+    assert got["ask"]["structured"]["answer"] == "Raptor burns methane [1]."
+    assert got["ask"]["structured"]["sources"][0]["n"] == 1
+    assert got["ask"]["progress"] and all(p["message"] for p in got["ask"]["progress"])
+    assert 0 < len(got["search"]["results"]) <= 2
+
+
+@pytest.mark.parametrize("auth", [False, True])
+def test_the_inspector_cli_lists_the_tools(settings, auth):
+    keys = {"k1": "u1"} if auth else {}
+    with serve(create_app(settings.replace(auth={"api_keys": keys}))) as server:
+        home = npm_packages("mcp_clients.sh")
+        command = [
+            str(Path(home) / "node_modules" / ".bin" / "mcp-inspector"),
+            "--cli",
+            server.url + "/mcp",
+            "--transport",
+            "http",
+            "--method",
+            "tools/list",
+        ]
+        if auth:
+            refused = run_node(*command)
+            command += ["--header", "Authorization: Bearer k1"]
+        done = run_node(*command)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [tool["name"] for tool in json.loads(done.stdout)["tools"]]
+    assert names == ["web_search", "ask", "deep_research"]
+    if auth:
+        assert refused.returncode != 0
