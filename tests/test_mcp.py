@@ -16,6 +16,7 @@ import httpx
 import httpx2
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from app.main import create_app
+from app.transport.mcp_sessions import Call, MemorySessions, RedisSessions
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.servers import ROOT, npm_packages, processes, serve
@@ -162,6 +164,36 @@ async def test_search_collection_is_listed_to_a_reader_and_finds_passages(
     passages = result.structured_content["results"]
     assert passages[0]["metadata"]["collectionId"] == collection["id"]
     assert "methane" in passages[0]["pageContent"]
+
+
+async def test_deep_research_reports_each_step_as_progress(settings, fake_model, fake_search):
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "raptor"})], [("done", {})]]
+    notes: list[str | None] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        notes.append(message)
+
+    with serve(create_app(settings)) as server:
+        async with session(server.url) as client:
+            result = await client.call_tool(
+                "deep_research", {"question": RELEVANT_QUESTION}, progress_callback=progress
+            )
+        async with httpx.AsyncClient() as http:
+            chat_id = result.structured_content["chatId"]
+            chat = (await http.get(server.url + f"/api/chats/{chat_id}?userId=0")).json()
+    assert chat["chat"]["focusMode"] == "deepResearch"
+    assert "round 2: enough found" in notes
+    assert [q for _, q in fake_search.queries] == ["raptor"]
+    assert result.structured_content["sources"]
+
+
+async def test_rate_limits_count_tool_calls_as_any_answer(settings, fake_model, fake_search):
+    with serve(create_app(settings.replace(limits={"requests_per_minute": 1}))) as server:
+        async with session(server.url) as client:
+            first = await client.call_tool("ask", {"question": RELEVANT_QUESTION})
+            second = await client.call_tool("ask", {"question": RELEVANT_QUESTION})
+    assert not first.is_error
+    assert second.is_error and second.content[0].text.startswith("RATE_LIMITED")
 
 
 async def test_unknown_tools_and_wrong_arguments_are_json_rpc_errors(
@@ -459,6 +491,37 @@ async def open_session_as(http: httpx.AsyncClient, url: str, key: str) -> dict[s
         "mcp-session-id": opened.headers["mcp-session-id"],
         "mcp-protocol-version": "2025-06-18",
     }
+
+
+# -- sessions ---------------------------------------------------------------------------------
+
+
+async def test_memory_sessions_expire_and_are_bounded():
+    idle = MemorySessions(idle_seconds=0)
+    assert await idle.owner(await idle.open("u1")) is None
+    sessions = MemorySessions(max_sessions=2)
+    first, second, third = [await sessions.open(u) for u in ("u1", "u2", "u3")]
+    assert await sessions.owner(first) is None
+    assert [await sessions.owner(s) for s in (second, third)] == ["u2", "u3"]
+    await sessions.close(second)
+    assert await sessions.owner(second) is None
+
+
+async def test_redis_sessions_expire_when_idle(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        sessions = RedisSessions(client, idle_seconds=60, keep_seconds=30)
+        session_id = await sessions.open("u1")
+        call = Call(7, "p1", "ask", "c1", "a1")
+        await sessions.remember(session_id, "Nw", call)
+        assert await sessions.owner(session_id) == "u1"
+        assert await sessions.call(session_id, "Nw") == call
+        assert 0 < await client.ttl(f"mcp:session:{session_id}") <= 60
+        assert 0 < await client.ttl(f"mcp:call:{session_id}:Nw") <= 30
+        await sessions.close(session_id)
+        assert await sessions.owner(session_id) is None
+    finally:
+        await client.aclose()
 
 
 # -- the Node clients ------------------------------------------------------------------------
