@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -491,6 +492,22 @@ async def open_session_as(http: httpx.AsyncClient, url: str, key: str) -> dict[s
         "mcp-session-id": opened.headers["mcp-session-id"],
         "mcp-protocol-version": "2025-06-18",
     }
+
+
+def test_the_docs_example_asks_and_prints_the_cited_answer(settings, fake_model, fake_search):
+    fake_model.answer_text = "Methane [1]."
+    page = (ROOT / "docs" / "mcp.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
+    with serve(create_app(settings)) as server:
+        code = example.replace("http://127.0.0.1:8080", server.url)
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "Methane [1]." in lines
+    assert any(line.startswith("… ") for line in lines)
+    assert any(line.startswith("[1] ") for line in lines)
 
 
 # -- sessions ---------------------------------------------------------------------------------
