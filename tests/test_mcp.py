@@ -27,9 +27,10 @@ from mcp.client.streamable_http import streamable_http_client
 
 from app.main import create_app
 from app.transport.mcp_sessions import Call, MemorySessions, RedisSessions
+from tests import test_processes
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
-from tests.servers import ROOT, npm_packages, processes, serve
+from tests.servers import ROOT, npm_packages, serve
 from tests.test_collections import create
 
 pytestmark = pytest.mark.anyio
@@ -394,22 +395,8 @@ def ask_call(question: str, request_id: int = 7) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def pair(tmp_path, model_url, fake_search, redis_url):
-    """Two server processes on one Redis, searching the fake web."""
-    env = {
-        "LLM_BASE_URL": model_url,
-        "LLM_API_KEY": "test-key",
-        "LLM_MODEL": "fake-chat",
-        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
-        "REDIS_URL": redis_url,
-        "STREAM_FLUSH_INTERVAL_MS": "10",
-        "SEARCH_PROVIDER": "tavily",
-        "TAVILY_API_KEY": fake_search.api_key,
-        "TAVILY_BASE_URL": fake_search.base_url + "/tavily",
-    }
-    with processes(2, env) as (a, b):
-        yield a, b
+#: two server processes on one Redis, or on a Redis Cluster, searching the fake web
+pair = test_processes.pair
 
 
 @pytest.mark.parametrize("version", ["2025-06-18", "2025-11-25"])

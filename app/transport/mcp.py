@@ -65,6 +65,7 @@ from ..protocol import (
     parse_sources,
 )
 from ..search.base import SearchResult
+from .collections import passage
 from .http import client_identity, count_request, rate_key, read_json, set_user
 from .mcp_sessions import Call, Sessions, open_sessions
 from .openai import real_sources
@@ -174,13 +175,15 @@ def invalid(message: str) -> MCPError:
     return MCPError(INVALID_PARAMS, message)
 
 
-def _text(args: dict[str, Any], name: str, *, required: bool = False) -> str | None:
+def _text(args: dict[str, Any], name: str) -> str:
     value = args.get(name)
-    if value is None and not required:
-        return None
     if not isinstance(value, str) or not value.strip():
         raise invalid(f"{name} must be a non-empty string")
     return value
+
+
+def _optional(args: dict[str, Any], name: str) -> str | None:
+    return None if args.get(name) is None else _text(args, name)
 
 
 def _count(args: dict[str, Any], name: str, default: int, most: int) -> int:
@@ -232,8 +235,7 @@ def failed(text: str) -> types.CallToolResult:
 
 
 async def web_search(request: Request, args: dict[str, Any]) -> types.CallToolResult:
-    query = _text(args, "query", required=True)
-    assert query is not None
+    query = _text(args, "query")
     limit = _count(args, "max_results", 8, MAX_SEARCH_RESULTS)
     filters = parse_search(
         {"domains": args.get("domains"), "recency": args.get("recency")}, "arguments"
@@ -268,27 +270,13 @@ def _result(r: SearchResult) -> dict[str, Any]:
 
 async def search_collection(request: Request, args: dict[str, Any]) -> types.CallToolResult:
     collection_id = parse_id(args.get("collection_id"), "collection_id")
-    query = _text(args, "query", required=True)
-    assert query is not None
+    query = _text(args, "query")
     limit = _count(args, "limit", 10, MAX_COLLECTION_RESULTS)
     knowledge = request.app.state.collections
     record = await knowledge.readable(client_identity(request, None), collection_id)
     await count_request(request)
     found = await knowledge.searcher([record], limit)(query)
-    results = [
-        {
-            "metadata": {
-                "title": r.title,
-                "url": r.url,
-                "collectionId": r.collection_id,
-                "documentId": r.document_id,
-                "page": r.page,
-            },
-            "pageContent": r.snippet,
-            "score": r.score,
-        }
-        for r in found
-    ]
+    results = [passage(r) for r in found]
     text = "\n\n".join(f"[{n}] {r.title}\n{r.snippet}" for n, r in enumerate(found, 1))
     return types.CallToolResult(
         content=[types.TextContent(text=text or "no passages")],
@@ -300,11 +288,10 @@ def ask_request(request: Request, tool: str, args: dict[str, Any]) -> ChatReques
     """The chat request an `ask` or `deep_research` call makes. `BadRequest`, or an
     `MCPError` for arguments of the wrong shape."""
     settings: Settings = request.app.state.settings
-    question = _text(args, "question", required=True)
-    assert question is not None
+    question = _text(args, "question")
     if len(question) > settings.limits.max_content_chars:
         raise invalid(f"question is longer than {settings.limits.max_content_chars} characters")
-    model = _text(args, "model")
+    model = _optional(args, "model")
     if model is not None and model not in (settings.llm.model, f"default/{settings.llm.model}"):
         raise invalid(
             f"model {model!r} does not exist: the models are default/{settings.llm.model}"
@@ -313,8 +300,8 @@ def ask_request(request: Request, tool: str, args: dict[str, Any]) -> ChatReques
     chat_id = None
     sources: tuple[str, ...] = ()
     if tool == "ask":
-        focus = _text(args, "focus_mode") or "webSearch"
-        optimization = _text(args, "optimization_mode") or "speed"
+        focus = _optional(args, "focus_mode") or "webSearch"
+        optimization = _optional(args, "optimization_mode") or "speed"
         if optimization not in OPTIMIZATION_MODES:
             raise invalid(f"optimization_mode must be one of {', '.join(OPTIMIZATION_MODES)}")
         if args.get("chat_id") is not None:
@@ -479,15 +466,11 @@ class ResumeEncoder(Encoder[bytes]):
 
     name = "mcp"
 
-    def __init__(self, call: Call, stream: str, after: int) -> None:
+    def __init__(self, handle: Handle, call: Call, stream: str, after: int) -> None:
         self.call = call
         self.stream = stream
         self.after = after
-        self.read: Answer | None = None
-
-    def preamble(self, handle: Handle) -> bytes | None:
         self.read = Answer(handle)
-        return None
 
     def _event(self, seq: int, message: dict[str, Any]) -> bytes:
         return b"id: %s:%d\nevent: message\ndata: %s\n\n" % (
@@ -497,7 +480,6 @@ class ResumeEncoder(Encoder[bytes]):
         )
 
     def encode(self, events: Sequence[Event]) -> bytes | None:
-        assert self.read is not None
         out = []
         for event in events:
             note = self.read.feed(event)
@@ -696,7 +678,7 @@ class McpEndpoint:
             handle, _ = await self.service.find_resumable(call.chat_id, user, f"{call.answer_id}:0")
         except AppError as exc:
             return rpc_error(INVALID_REQUEST, exc.message, exc.status)
-        encoder = ResumeEncoder(call, stream, seq)
+        encoder = ResumeEncoder(handle, call, stream, seq)
         return StreamResponse(
             self.service.relay(handle, encoder),
             media_type="text/event-stream",
