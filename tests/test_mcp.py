@@ -30,6 +30,7 @@ from app.transport.mcp_sessions import Call, MemorySessions, RedisSessions
 from tests import test_processes
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
+from tests.identity import browser, sign_up
 from tests.servers import ROOT, npm_packages, serve
 from tests.test_collections import create
 
@@ -280,6 +281,18 @@ def test_the_metadata_names_the_jwt_issuer(settings):
     with serve(create_app(settings.replace(auth=auth))) as server:
         document = httpx.get(server.url + "/.well-known/oauth-protected-resource").json()
     assert document["authorization_servers"] == ["https://id.example"]
+
+
+async def test_a_cookie_signed_call_must_come_from_the_servers_own_pages(settings):
+    with serve(create_app(settings.replace(auth={"mode": "accounts"}))) as server:
+        async with browser(server.url) as http:
+            await sign_up(http, "a@example.test")
+            own = await http.post("/mcp", json=initialize(), headers=HANDSHAKE)
+            foreign = await http.post(
+                "/mcp", json=initialize(), headers={**HANDSHAKE, "origin": "https://evil.test"}
+            )
+    assert own.status_code == 200
+    assert foreign.status_code == 403
 
 
 MESSAGES = st.recursive(

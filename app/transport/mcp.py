@@ -54,6 +54,7 @@ from ..chat.service import ChatService
 from ..config import Settings, auth_mode
 from ..errors import AppError, BadRequest, Unauthorized
 from ..events import FOCUS_MODES, Event, Handle
+from ..identity.resolver import SAFE_METHODS
 from ..protocol import (
     OPTIMIZATION_MODES,
     ChatRequest,
@@ -573,8 +574,11 @@ class McpEndpoint:
     async def _authenticate(self, request: Request) -> None:
         if auth_mode(self.settings.auth) == "off":
             return
-        user = await request.app.state.identity.authenticate(request)
+        identity = request.app.state.identity
+        user = await identity.authenticate(request)
         set_user(request.scope, user)
+        if user is not None and user.by_cookie and request.method not in SAFE_METHODS:
+            identity.check_origin(request)  # another site's page must not call tools
 
     async def post(self, request: Request, version: str | None, scope: Scope, send: Send) -> None:
         try:
