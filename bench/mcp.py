@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
+import contextlib
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +29,10 @@ import httpx
 import orjson
 import redis
 
+from tests.conftest import start_redis
 from tests.fakes.model import FakeModel
 from tests.fakes.search import RELEVANT_QUESTION, FakeSearch
-from tests.servers import AppProcess, free_port, serve, wait_for_port
+from tests.servers import AppProcess, serve
 
 HEADERS = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
 VERSION = "2025-11-25"
@@ -182,6 +182,7 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         serve(model.app()) as model_server,
         serve(search.app()) as search_server,
+        contextlib.ExitStack() as stack,
     ):
         search.base_url = search_server.url
         env = {
@@ -193,16 +194,9 @@ def main() -> None:
             "TAVILY_BASE_URL": search.base_url + "/tavily",
             "LIMITS_REQUESTS_PER_MINUTE": "0",
         }
-        redis_proc, redis_url = None, None
+        redis_url = None
         if args.redis:
-            port = free_port()
-            redis_proc = subprocess.Popen(
-                [shutil.which("redis-server") or "redis-server", "--port", str(port)]
-                + ["--save", "", "--bind", "127.0.0.1"],
-                stdout=subprocess.DEVNULL,
-            )
-            wait_for_port(port)
-            redis_url = env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+            redis_url = env["REDIS_URL"] = stack.enter_context(start_redis())
         server = AppProcess(env).start()
         try:
             assert server.proc is not None
@@ -212,9 +206,6 @@ def main() -> None:
             asyncio.run(sessions(server.url, args.sessions, server.proc.pid, redis_url))
         finally:
             server.stop()
-            if redis_proc is not None:
-                redis_proc.terminate()
-                redis_proc.wait()
 
 
 if __name__ == "__main__":
