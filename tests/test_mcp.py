@@ -471,6 +471,25 @@ async def test_a_cancel_sent_to_the_other_process_stops_the_call(pair, fake_mode
     assert "(cancelled)" in messages[-1]["result"]["content"][0]["text"]
 
 
+async def test_a_deleted_session_is_not_found_and_get_without_an_event_id_is_405(settings):
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            headers = await open_session(http, server.url, "2025-06-18")
+            listed = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+            before = await http.post(server.url + "/mcp", json=listed, headers=headers)
+            stream = await http.get(server.url + "/mcp", headers=headers)
+            deleted = await http.delete(server.url + "/mcp", headers=headers)
+            after = await http.post(server.url + "/mcp", json=listed, headers=headers)
+            unknown = await http.get(
+                server.url + "/mcp", headers={**headers, "last-event-id": "Nw:3"}
+            )
+    assert before.status_code == 200
+    assert stream.status_code == 405
+    assert deleted.status_code == 200
+    assert after.status_code == 404 and after.json()["error"]["code"] == -32600
+    assert unknown.status_code == 404
+
+
 async def test_another_users_session_is_not_found(settings, fake_model):
     with serve(create_app(settings.replace(auth={"api_keys": {"k1": "u1", "k2": "u2"}}))) as server:
         async with httpx.AsyncClient(timeout=30) as http:
