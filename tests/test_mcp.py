@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from tests import test_processes
 from tests.client import wait_for
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.identity import browser, sign_up
-from tests.servers import ROOT, npm_packages, serve
+from tests.servers import ROOT, AppProcess, npm_packages, serve
 from tests.test_collections import create
 
 pytestmark = pytest.mark.anyio
@@ -469,6 +470,41 @@ async def test_a_cancel_sent_to_the_other_process_stops_the_call(pair, fake_mode
         record = await fake_model.wait_stream_end()
     assert record.outcome == "client_closed"
     assert "(cancelled)" in messages[-1]["result"]["content"][0]["text"]
+
+
+async def test_sigterm_ends_a_running_call_with_its_cancelled_answer(
+    tmp_path, model_url, fake_model
+):
+    env = {
+        "LLM_BASE_URL": model_url,
+        "LLM_API_KEY": "test-key",
+        "STORE_URL": f"sqlite:///{tmp_path}/chat.db",
+        "SERVER_SHUTDOWN_GRACE_SECONDS": "1",
+        "SEARCH_PROVIDER": "demo",
+    }
+    server = AppProcess(env).start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            headers = await open_session(http, server.url, "2025-11-25")
+            call = ask_call("long #tokens=500 #delay=0.02")
+            async with http.stream("POST", server.url + "/mcp", json=call, headers=headers) as live:
+                messages, events = [], sse_events(live)
+                async for _, message in events:
+                    messages.append(message)
+                    if message.get("method") == "notifications/progress":
+                        assert server.proc is not None
+                        server.proc.send_signal(signal.SIGTERM)
+                        break
+                messages += [m async for _, m in events]
+        assert server.proc is not None
+        server.proc.wait(15)
+    finally:
+        server.stop()
+    result = messages[-1]["result"]
+    assert result["content"][0]["text"].endswith("(cancelled)")
+    assert result["structuredContent"]["answer"]
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+    assert (await fake_model.wait_stream_end()).outcome == "client_closed"
 
 
 async def test_a_deleted_session_is_not_found_and_get_without_an_event_id_is_405(settings):
