@@ -444,6 +444,7 @@ async def test_a_dropped_call_resumes_on_the_other_process(pair, fake_model, ver
     assert data["answer"] == "".join(f"tok{i} " for i in range(30))
     assert chat["messages"][-1]["content"] == data["answer"]
     last_seq = int(last.rpartition(":")[2])
+    assert last_seq > 0  # the id names the progress event's seq
     progress = [m for _, m in resumed if m.get("method") == "notifications/progress"]
     assert all(m["params"]["progress"] > last_seq for m in progress)
     assert all(m["params"]["progressToken"] == "p1" for m in progress)
@@ -470,6 +471,24 @@ async def test_a_cancel_sent_to_the_other_process_stops_the_call(pair, fake_mode
         record = await fake_model.wait_stream_end()
     assert record.outcome == "client_closed"
     assert "(cancelled)" in messages[-1]["result"]["content"][0]["text"]
+
+
+async def test_a_resume_from_the_start_replays_what_the_live_call_sent(
+    settings, fake_model, fake_search
+):
+    with serve(create_app(settings)) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            headers = await open_session(http, server.url, "2025-11-25")
+            call = ask_call(RELEVANT_QUESTION)
+            async with http.stream("POST", server.url + "/mcp", json=call, headers=headers) as live:
+                sent = [(i, m) async for i, m in sse_events(live) if m]
+            first = sent[0][0].rpartition(":")[0] + ":0"
+            async with http.stream(
+                "GET", server.url + "/mcp", headers={**headers, "last-event-id": first}
+            ) as again:
+                replayed = [(i, m) async for i, m in sse_events(again)]
+    assert [m.get("method") for _, m in sent][:1] == ["notifications/progress"]
+    assert replayed == sent
 
 
 async def test_sigterm_ends_a_running_call_with_its_cancelled_answer(

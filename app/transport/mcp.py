@@ -122,7 +122,11 @@ class ResumeEncoder(Encoder[bytes]):
         for event in events:
             note = self.read.feed(event)
             if note is not None and self.call.token is not None and event.seq > self.after:
-                params = {"progressToken": self.call.token, "progress": event.seq, "message": note}
+                params = {
+                    "progressToken": self.call.token,
+                    "progress": float(event.seq),  # as the SDK sends it
+                    "message": note,
+                }
                 message = {"jsonrpc": "2.0", "method": "notifications/progress", "params": params}
                 out.append(self._event(event.seq, message))
             if event.terminal:

@@ -387,8 +387,8 @@ class CallEvents(EventStore):
     async def store_event(self, stream_id: str, message: Any) -> str:
         seq = 0
         if isinstance(message, types.JSONRPCNotification) and message.params:
-            progress = message.params.get("progress")
-            seq = progress if isinstance(progress, int) else 0
+            progress = message.params.get("progress")  # the SDK sends it as a float
+            seq = int(progress) if isinstance(progress, int | float) else 0
         elif message is not None and stream_id in self.calls:
             seq = self.calls[stream_id].seq
         return f"{encode_stream(stream_id)}:{seq}"
