@@ -370,6 +370,16 @@ class JwtSettings:
         return bool(self.issuer or self.jwks_url or self.secret)
 
 
+@dataclass(frozen=True)
+class McpSettings:
+    """The Model Context Protocol (`[mcp]`, env `MCP_*`, PROTOCOL §14)."""
+
+    #: serve `/mcp` (Streamable HTTP) so MCP clients can search through this server
+    server: bool = True
+    #: characters of an MCP tool's result given to the model at most
+    max_result_chars: int = 20_000
+
+
 #: auth.mode: no auth, static keys (auth.api_keys), or accounts
 AUTH_MODES = ("off", "keys", "accounts")
 SIGNUP_RULES = ("open", "invite", "closed")
@@ -417,6 +427,7 @@ class Settings:
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     share: ShareSettings = field(default_factory=ShareSettings)
+    mcp: McpSettings = field(default_factory=McpSettings)
 
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""

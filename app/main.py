@@ -51,6 +51,7 @@ from .transport import (
     api,
     auth_routes,
     collections,
+    mcp,
     openai,
     perplexica,
     responses,
@@ -206,6 +207,10 @@ def create_app(
             app.state.identity = await open_identity(settings, service, redis, stack)
             app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
             app.state.quota = Quota(service.store, settings.limits.tokens_per_day)
+            if settings.mcp.server:
+                app.state.mcp = await stack.enter_async_context(
+                    mcp.open_endpoint(settings, service, redis)
+                )
             shutdown = GracefulShutdown(
                 service,
                 app.state.sessions,
@@ -299,6 +304,7 @@ def create_app(
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        *(mcp_routes() if settings.mcp.server else []),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -312,7 +318,8 @@ def create_app(
             CORSMiddleware,
             allow_origins=origins,
             allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
-            allow_headers=["authorization", "content-type", "last-event-id"],
+            allow_headers=["authorization", "content-type", "last-event-id", *mcp.HEADERS],
+            expose_headers=mcp.EXPOSED_HEADERS,
         ),
         Middleware(AuthMiddleware, mode=mode),
     ]
@@ -322,6 +329,15 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={Exception: internal_error, HTTPException: http_error},
     )
+
+
+def mcp_routes() -> list[Route]:
+    """`/mcp` and its protected-resource metadata (PROTOCOL §14)."""
+    return [
+        Route("/mcp", mcp.Mcp(), methods=["GET", "POST", "DELETE"]),
+        Route("/.well-known/oauth-protected-resource", mcp.resource_metadata, methods=["GET"]),
+        Route("/.well-known/oauth-protected-resource/mcp", mcp.resource_metadata, methods=["GET"]),
+    ]
 
 
 #: where every answer, an unknown route's included, is JSON in the protocol's shape

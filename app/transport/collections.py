@@ -25,6 +25,7 @@ from ..errors import AppError, BadRequest, Forbidden, Unauthorized
 from ..files.service import clean_name
 from ..ids import parse_id
 from ..protocol import error_body
+from ..results import SearchResult
 from .http import (
     client_identity,
     count_request,
@@ -205,24 +206,22 @@ async def search(request: Request) -> Response:
     record = await service.readable(_user(request, body), _id(request))
     await count_request(request)
     found = await service.searcher([record], limit)(query)
-    return JSONResponse(
-        {
-            "results": [
-                {
-                    "metadata": {
-                        "title": r.title,
-                        "url": r.url,
-                        "collectionId": r.collection_id,
-                        "documentId": r.document_id,
-                        "page": r.page,
-                    },
-                    "pageContent": r.snippet,
-                    "score": r.score,
-                }
-                for r in found
-            ]
-        }
-    )
+    return JSONResponse({"results": [passage(r) for r in found]})
+
+
+def passage(r: SearchResult) -> dict[str, Any]:
+    """A collection's passage as its search answers it (PROTOCOL §12)."""
+    return {
+        "metadata": {
+            "title": r.title,
+            "url": r.url,
+            "collectionId": r.collection_id,
+            "documentId": r.document_id,
+            "page": r.page,
+        },
+        "pageContent": r.snippet,
+        "score": r.score,
+    }
 
 
 # -- groups -------------------------------------------------------------------------------------
