@@ -269,6 +269,7 @@ def create_app(
         Route("/api/admin/groups/{group_id}", collections.admin_delete_group, methods=["DELETE"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
+        Route("/api/providers", api.providers, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
         Route("/api/videos", perplexica.videos, methods=["POST"]),
         Route("/api/discover", perplexica.discover, methods=["GET"]),

@@ -35,6 +35,7 @@ from ..files.service import FileService
 from ..ids import Snowflake
 from ..metrics import Metrics
 from ..model import ChatModel
+from ..model.providers import ModelRegistry
 from ..ownership import authorize
 from ..prompts import Prompts
 from ..protocol import ChatRequest, Encoder, parse_event_id
@@ -99,6 +100,8 @@ class ChatService:
             chores=self.chores,
             sources_link=self.sources_link,
         )
+        #: the models answers may choose (PROTOCOL §13), listed in the background
+        self.models = ModelRegistry(settings, llm)
         self._generations: dict[str, Generation] = {}
         self._starting = 0  # starts under way: places taken under the process's cap
         self._runs: dict[str, asyncio.Task[None]] = {}  # answer id → its `run()`
@@ -142,8 +145,7 @@ class ChatService:
     async def _start(self, request: ChatRequest) -> Handle:
         """`start` once its place under the process's cap is taken; the generation is
         in `_generations` when it returns."""
-        if not self.llm.configured:
-            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
+        services, request = self._chosen(request)
         chat_id = request.chat_id or self.ids.next_str()
         question_id = request.message_id or self.ids.next_str()
         chat = await self.store.get_chat(chat_id) if request.chat_id else None
@@ -200,7 +202,7 @@ class ChatService:
             await self.hub.abandon(handle)
             raise
         generation = Generation(
-            self.services,
+            services,
             request,
             handle,
             new_chat=created,
@@ -215,6 +217,27 @@ class ChatService:
         self._runs[handle.answer_id] = run
         run.add_done_callback(functools.partial(self._ended, handle.answer_id))
         return handle
+
+    def _chosen(self, request: ChatRequest) -> tuple[Services, ChatRequest]:
+        """What the request's model (`chatModel`, PROTOCOL §13) changes of the services
+        its generation uses: that model answers and its provider's small model (else
+        the default's) does the small tasks. `BadRequest` naming what exists for an
+        unknown one, `ConfigError` for a provider without a key."""
+        if request.provider is None and (request.model is None or not self.settings.providers):
+            if not self.llm.configured:
+                raise ConfigError(
+                    "no model is configured: set llm.api_key (LLM_API_KEY)", status=503
+                )
+            return self.services, request
+        choice = self.models.choose(request.provider, request.model, restricted=request.restricted)
+        if not choice.llm.configured:
+            raise ConfigError(f"provider {choice.provider} has no api_key", status=503)
+        services = replace(
+            self.services,
+            llm=choice.llm,
+            researcher=self.services.researcher.using(choice.llm, choice.settings),
+        )
+        return services, replace(request, provider=choice.provider, model=choice.model)
 
     async def relay(
         self, handle: Handle, encoder: Encoder[Chunk], after_seq: int = 0
@@ -442,6 +465,7 @@ class ChatService:
         self._link_key = (await self.store.secret("sources-links")).encode()
         await self.keeper.open()
         self.chores.spawn(self._probe(), name="probe")
+        self.models.open(self.chores)
 
     async def sweep(self) -> int:
         """Close what dead processes left (see `AnswerKeeper.sweep`)."""
@@ -477,6 +501,7 @@ class ChatService:
         await self.drain(grace)
         await self.keeper.aclose()
         await self.chores.aclose()
+        await self.models.aclose()
 
 
 async def _none() -> None:

@@ -50,6 +50,9 @@ class StoredMessage:
     reply_to: str | None = None  # an answer's question
     steps: list[str] = field(default_factory=list)  # an answer's progress lines
     error: dict[str, str] | None = None  # a failed answer's {"key", "data"}
+    #: the model that answered, as its usage names it (`@<provider>/<model>` for a
+    #: provider other than the default)
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,7 +541,7 @@ MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 #: what is read of a message: the inserted columns, then what its end saved
-MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error"
+MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model"
 
 
 def chat_from_row(row: Any) -> Chat:
@@ -568,6 +571,7 @@ def message_from_row(
         created_at=row[9],
         steps=steps or [],
         error=error,
+        model=row[12] if len(row) > 12 else None,
     )
 
 

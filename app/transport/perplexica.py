@@ -16,12 +16,20 @@ from starlette.responses import JSONResponse, Response
 
 from ..chat.history import rewrite
 from ..chat.service import ChatService
-from ..config import Settings
+from ..config import DEFAULT_PROVIDER, Settings
 from ..errors import BadRequest, Forbidden
 from ..events import Event, Handle
 from ..model import is_demo
+from ..model.providers import ModelRegistry
 from ..protocol import Encoder, Events, parse_chat_request, parse_messages
-from .http import count_request, current_user, json_errors, read_json, request_user
+from .http import (
+    count_request,
+    current_user,
+    json_errors,
+    read_json,
+    request_user,
+    restricted,
+)
 from .streaming import StreamResponse
 
 #: what the settings page may change: preferences the browser keeps for itself
@@ -78,15 +86,20 @@ def embedding_models(settings: Settings) -> tuple[str, dict[str, str]]:
 
 
 async def models(request: Request) -> Response:
-    """`GET /api/models`: the configured models (never a key)."""
+    """`GET /api/models`: the configured models (never a key): the default's under its
+    provider's name, every other provider's under its id (PROTOCOL §13)."""
     settings: Settings = request.app.state.settings
     chat_provider, chat = chat_models(settings)
     embedding_provider, embedding = embedding_models(settings)
+    providers = {chat_provider: {name: {"displayName": shown} for name, shown in chat.items()}}
+    registry = _service(request).models
+    for provider in registry.visible(restricted=restricted(request)):
+        if provider.id != DEFAULT_PROVIDER:
+            listed = providers.setdefault(provider.id, {})
+            listed.update({m.id: {"displayName": m.name} for m in provider.models})
     return JSONResponse(
         {
-            "chatModelProviders": {
-                chat_provider: {name: {"displayName": shown} for name, shown in chat.items()}
-            },
+            "chatModelProviders": providers,
             "embeddingModelProviders": {
                 embedding_provider: {
                     name: {"displayName": shown} for name, shown in embedding.items()
@@ -297,8 +310,16 @@ def _service(request: Request) -> ChatService:
     return service
 
 
-def picked_model(settings: Settings, name: str | None) -> str | None:
-    """A chat model a client names (the Perplexica UI's `chatModel`), if it is one of
-    the configured ones; None otherwise (the configured default answers)."""
-    _, known = chat_models(settings)
-    return name if name in known else None
+def picked_model(
+    registry: ModelRegistry, name: str | None, provider: str | None, *, restricted: bool
+) -> tuple[str | None, str] | None:
+    """A chat model a client names (the Perplexica UI's `chatModel` and
+    `chatModelProvider`), if it is one of the configured ones: (None, name) for the
+    default's, (provider, name) for another's; None otherwise (the default answers)."""
+    if not name:
+        return None
+    found = registry.find(name, provider, restricted=restricted)
+    if found is None:
+        return None
+    pid, model = found
+    return (None if pid == DEFAULT_PROVIDER else pid), model
