@@ -20,7 +20,7 @@ from tests.conftest import USER
 from tests.fakes.anthropic import FakeAnthropic
 from tests.fakes.model import FakeModel
 from tests.identity import browser, question, sign_up
-from tests.servers import ServerThread, serve
+from tests.servers import ServerThread, chromium, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -277,3 +277,26 @@ def test_providers_load_from_toml_and_env_without_showing_keys(tmp_path):
     with pytest.raises(ValueError, match="type"):
         load(file, env={})
 
+
+def test_the_web_client_picks_a_model_keeps_it_and_shows_who_answered(providers, second):
+    picked = '{"provider":"second","model":"other-chat"}'
+    with chromium() as browser, serve(create_app(providers)) as server:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(server.url + "/")
+        page.wait_for_selector("#model:not([hidden])", state="attached")
+        groups = page.eval_on_selector_all("#model optgroup", "gs => gs.map(g => g.label)")
+        assert groups[:2] == ["fake-chat", "Second"] and "down (unreachable)" in groups
+        page.select_option("#model", picked)
+        page.select_option("#focus", "deepSeek")
+        page.fill("#question", "hello there")
+        page.click("#send")
+        page.wait_for_selector(".turn .answered-by", timeout=15_000)
+        assert page.text_content(".turn .answered-by") == "other-chat · second"
+        assert second.streamed_requests()[-1]["model"] == "other-chat"
+        page.reload()  # the chat again, from the store, and the choice kept
+        page.wait_for_selector(".turn .answered-by", timeout=15_000)
+        assert page.text_content(".turn .answered-by") == "other-chat · second"
+        assert page.input_value("#model") == picked
+        assert errors == []
