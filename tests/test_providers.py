@@ -13,8 +13,10 @@ import pytest
 from httpx_ws import aconnect_ws
 from openai import AsyncOpenAI
 
-from app.config import load
+from app.config import ProviderSettings, Settings, load
 from app.main import create_app
+from app.model.anthropic import AnthropicModel
+from app.model.providers import provider_llm
 from tests.client import answer_of, chat_body, reasoning_of, sse_chat
 from tests.conftest import USER
 from tests.fakes.anthropic import FakeAnthropic
@@ -224,6 +226,32 @@ async def test_anthropic_tool_use_drives_a_research_round(client, claude, fake_s
     assert results and results[0]["tool_use_id"] == "toolu_0"
 
 
+async def test_a_provider_that_is_down_ends_the_chat_naming_it_and_no_key(client):
+    chosen = {"provider": "down", "model": "gone-model"}
+    events = await sse_chat(client, chat_body("hi", chatModel=chosen))
+    error = events[-1].data
+    assert error["type"] == "error" and error["key"] == "CHAT_ERROR"
+    assert "down" in error["data"] and "gone-model" in error["data"]
+    assert "127.0.0.1" not in error["data"]
+
+
+async def test_anthropic_stream_cut_at_its_cap_says_finish_length(anthropic_server, claude):
+    fake, running = anthropic_server
+    llm = provider_llm(
+        Settings().llm,
+        ProviderSettings(type="anthropic", base_url=running.url, api_key=fake.api_key),
+    )
+    model = AnthropicModel(llm, "claude")
+    try:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "#cut"}]
+        deltas = [d async for d in model.stream(messages, model="claude-test")]
+    finally:
+        await model.aclose()
+    assert [d.kind for d in deltas][-2:] == ["usage", "finish"] and deltas[-1].text == "length"
+    assert claude.streamed()[-1]["system"] == "be brief"
+    assert claude.streamed()[-1]["max_tokens"] == Settings().llm.max_output_tokens
+
+
 async def test_admin_only_providers_are_for_admins(providers):
     settings = providers.replace(
         auth={"mode": "accounts"},
@@ -287,7 +315,7 @@ def test_the_web_client_picks_a_model_keeps_it_and_shows_who_answered(providers,
         page.goto(server.url + "/")
         page.wait_for_selector("#model:not([hidden])", state="attached")
         groups = page.eval_on_selector_all("#model optgroup", "gs => gs.map(g => g.label)")
-        assert groups[:2] == ["fake-chat", "Second"] and "down (unreachable)" in groups
+        assert groups[:2] == ["Default", "Second"] and "down (unreachable)" in groups
         page.select_option("#model", picked)
         page.select_option("#focus", "deepSeek")
         page.fill("#question", "hello there")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from typing import Any
 import json_repair
 import orjson
 
-from ..config import LLMSettings, Settings
+from ..config import Settings
 from ..errors import AppError
 from ..files.service import FileService
 from ..model import ChatModel, ToolCall, ToolsUnsupported, tokens_in
@@ -107,12 +106,11 @@ class Researcher:
         #: models seen to have no tool calling (for this process): they plan in JSON
         self.no_tools: set[str] = set()
 
-    def using(self, llm: ChatModel, model: LLMSettings) -> Researcher:
-        """This researcher planning with another model (`model`: its settings, over
-        `[llm]`'s); its tools and what it learnt of models are shared."""
+    def using(self, llm: ChatModel, settings: Settings) -> Researcher:
+        """This researcher planning with another model (`settings`: with its `[llm]`);
+        its tools and what it learnt of models are shared."""
         other = copy.copy(self)
-        other.llm = llm
-        other.settings = dataclasses.replace(self.settings, llm=model)
+        other.llm, other.settings = llm, settings
         return other
 
     # -- the loop --------------------------------------------------------------------------

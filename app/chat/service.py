@@ -232,10 +232,13 @@ class ChatService:
         choice = self.models.choose(request.provider, request.model, restricted=request.restricted)
         if not choice.llm.configured:
             raise ConfigError(f"provider {choice.provider} has no api_key", status=503)
+        # its window and output cap are the provider's
+        settings = replace(self.settings, llm=choice.settings)
         services = replace(
             self.services,
+            settings=settings,
             llm=choice.llm,
-            researcher=self.services.researcher.using(choice.llm, choice.settings),
+            researcher=self.services.researcher.using(choice.llm, settings),
         )
         return services, replace(request, provider=choice.provider, model=choice.model)
 

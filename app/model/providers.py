@@ -129,7 +129,7 @@ class ModelRegistry:
         default_models = list(dict.fromkeys([llm.model, llm.effective_small_model]))
         self.providers[DEFAULT_PROVIDER] = Provider(
             DEFAULT_PROVIDER,
-            llm.model,
+            "Default",
             "openai",
             llm,
             default,
