@@ -25,7 +25,14 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
-from .errors import CAUSES, ContextTooLong, connection_cause, context_exceeded, redact
+from .errors import (
+    CAUSES,
+    ContextTooLong,
+    _status_message,
+    connection_cause,
+    context_exceeded,
+    redact,
+)
 from .wire import Delta, Message, ToolCall, ToolTurn
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
@@ -191,7 +198,7 @@ class AnthropicModel:
             )
             if exc.status_code in (400, 413) and context_exceeded(str(exc.message)):
                 raise ContextTooLong(f"the {what} refused the request as too long") from exc
-            raise StreamError(_refused(what, exc.status_code)) from exc
+            raise StreamError(_status_message(what, exc.status_code)) from exc
         except (TimeoutError, anthropic.APITimeoutError, anthropic.APIConnectionError) as exc:
             cause = connection_cause(exc)
             log.warning("cannot reach the %s: %s", what, CAUSES[cause][0])
@@ -199,18 +206,6 @@ class AnthropicModel:
         except (anthropic.AnthropicError, OSError) as exc:
             log.warning("the %s stream broke: %s", what, type(exc).__name__)
             raise StreamError(f"the {what} stream broke off") from exc
-
-
-def _refused(what: str, status: int) -> str:
-    if status in (401, 403):
-        return f"the {what} refused the server's API key ({status})"
-    if status == 404:
-        return f"the {what} does not exist there (404)"
-    if status == 429:
-        return f"the {what} is rate limiting this server; try again shortly (429)"
-    if status >= 500:
-        return f"the {what} failed ({status}); try again shortly"
-    return f"the {what} refused the request ({status})"
 
 
 class _AnswerReader:
