@@ -102,6 +102,9 @@ class ProviderSettings:
     system_prompt: str = ""
     #: with accounts, only admins see and use it
     admin_only: bool = False
+    #: type "anthropic": the tokens an answer may think before it writes (extended
+    #: thinking, shown as reasoning; at least 1024, below max_output_tokens); 0: none
+    thinking_tokens: int = 0
 
 
 @dataclass(frozen=True)

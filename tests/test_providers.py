@@ -77,7 +77,8 @@ def providers(settings, second, second_server, claude, anthropic_server):
                 "type": "anthropic",
                 "base_url": anthropic_server[1].url,
                 "api_key": "anthropic-key",
-                "max_output_tokens": 1000,
+                "max_output_tokens": 2000,
+                "thinking_tokens": 1024,
             },
             "down": {
                 "base_url": f"http://127.0.0.1:{closed_port()}/v1",
@@ -114,6 +115,8 @@ async def test_providers_are_listed_with_a_down_one_unreachable(client):
     assert [m["id"] for m in by_id["second"]["models"]] == ["other-chat", "other-small"]
     assert [m["id"] for m in by_id["claude"]["models"]] == ["claude-test", "claude-small"]
     assert by_id["down"]["status"] == "unreachable" and by_id["down"]["error"]
+    assert by_id["claude"]["models"][0]["reasoning"] is True  # it is given thinking tokens
+    assert by_id["second"]["models"][0]["reasoning"] is None
     assert set(by_id["claude"]["models"][0]) == {
         "id",
         "name",
@@ -205,7 +208,8 @@ async def test_anthropic_thinking_is_reasoning_and_the_usage_counted(client, cla
     end = events[-1].data
     assert end["chatModel"] == chosen and end["usage"]["completion_tokens"] == 9
     asked = claude.streamed()[-1]
-    assert asked["max_tokens"] == 1000 and asked["system"]
+    assert asked["max_tokens"] == 2000 and asked["system"]
+    assert asked["thinking"] == {"type": "enabled", "budget_tokens": 1024}
     assert [m["role"] for m in asked["messages"]] == ["user"]
 
 
@@ -218,6 +222,7 @@ async def test_anthropic_tool_use_drives_a_research_round(client, claude, fake_s
     assert "raptor methane" in [q for _, q in fake_search.queries]
     with_tools = [r for r in claude.requests if r.get("tools")]
     assert with_tools[0]["tools"][0]["input_schema"]["type"] == "object"
+    assert not [r for r in with_tools if "thinking" in r]  # a tool turn does not think
     # the second round sends the first one's call back, and what it found
     assert len(with_tools) >= 2
     turns = with_tools[1]["messages"]

@@ -44,9 +44,14 @@ class AnthropicModel:
     """One Anthropic provider; `settings` is `[llm]` with the provider's keys over it
     (its address, key, models, window and output cap), so the timeouts are `[llm]`'s."""
 
-    def __init__(self, settings: LLMSettings, provider: str = "anthropic") -> None:
+    def __init__(
+        self, settings: LLMSettings, provider: str = "anthropic", *, thinking_tokens: int = 0
+    ) -> None:
         self.settings = settings
         self.provider = provider
+        #: the answers' budget of extended thinking (0: none); the small tasks and the
+        #: tool turns never think (a tool turn's thinking would have to be sent back)
+        self.thinking_tokens = thinking_tokens
         self._client: anthropic.AsyncAnthropic | None = None
         if settings.api_key:
             self._client = anthropic.AsyncAnthropic(
@@ -77,7 +82,10 @@ class AnthropicModel:
         name = model or self.settings.model
         client = self._require()
         with self._errors(name):
-            events = await client.messages.create(**self._request(messages, name), stream=True)
+            request = self._request(messages, name)
+            if self.thinking_tokens:
+                request["thinking"] = {"type": "enabled", "budget_tokens": self.thinking_tokens}
+            events = await client.messages.create(**request, stream=True)
             async with events:
                 reader = _AnswerReader(queue.append)
                 async for event in events:

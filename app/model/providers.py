@@ -47,6 +47,8 @@ class ModelInfo:
     id: str
     name: str
     context_tokens: int
+    #: it thinks for sure (an Anthropic provider with `thinking_tokens`); else its name says
+    thinks: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,7 +56,7 @@ class ModelInfo:
             "name": self.name,
             "contextTokens": self.context_tokens,
             "tools": None,
-            "reasoning": True if REASONING.search(self.id) else None,
+            "reasoning": True if self.thinks or REASONING.search(self.id) else None,
         }
 
 
@@ -70,6 +72,8 @@ class Provider:
     client: ChatModel
     configured_models: tuple[str, ...]
     admin_only: bool = False
+    #: its answers think (an Anthropic provider with `thinking_tokens`)
+    thinks: bool = False
     #: whose small tasks: this provider's (its `small_model`), else None (the default's)
     small_model: str = ""
     models: list[ModelInfo] = field(default_factory=list)
@@ -140,8 +144,11 @@ class ModelRegistry:
         )
         for pid, p in settings.providers.items():
             merged = provider_llm(llm, p)
+            thinks = p.type == "anthropic" and p.thinking_tokens > 0
             client: ChatModel = (
-                AnthropicModel(merged, pid) if p.type == "anthropic" else LLMClient(merged)
+                AnthropicModel(merged, pid, thinking_tokens=p.thinking_tokens)
+                if p.type == "anthropic"
+                else LLMClient(merged)
             )
             self.providers[pid] = Provider(
                 pid,
@@ -151,8 +158,9 @@ class ModelRegistry:
                 client,
                 p.models,
                 p.admin_only,
+                thinks,
                 p.small_model,
-                models=[ModelInfo(m, m, merged.context_tokens) for m in p.models],
+                models=[ModelInfo(m, m, merged.context_tokens, thinks) for m in p.models],
             )
         self._listed = asyncio.Event()
 
@@ -246,8 +254,8 @@ class ModelRegistry:
             return
         provider.status, provider.error, provider.listed = "ok", None, True
         if not provider.configured_models:
-            window = provider.llm.context_tokens
-            provider.models = [ModelInfo(i, n, window) for i, n in found]
+            window, thinks = provider.llm.context_tokens, provider.thinks
+            provider.models = [ModelInfo(i, n, window, thinks) for i, n in found]
 
     def to_json(self, *, restricted: bool) -> dict[str, Any]:
         default = self.providers[DEFAULT_PROVIDER]
