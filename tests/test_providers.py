@@ -172,6 +172,17 @@ async def test_unknown_provider_or_model_is_a_bad_request_naming_what_exists(cli
     assert response.status_code == 400
 
 
+async def test_suggestions_come_from_the_chosen_models_provider(client, fake_model, second):
+    history = [["human", "what is methane?"], ["assistant", "a gas"]]
+    body = {"history": history, "chatModel": other()}
+    assert (await client.post("/api/suggestions", json=body)).status_code == 200
+    assert [r["model"] for r in second.requests] == ["other-small"]
+    # a provider the server does not have (the Perplexica UI's own names): the default's
+    body = {"history": history, "chatModel": {"provider": "openai", "model": "gpt-4o"}}
+    assert (await client.post("/api/suggestions", json=body)).status_code == 200
+    assert [r["model"] for r in fake_model.requests] == ["fake-small"]
+
+
 async def test_regenerate_with_another_model(client, fake_model, second):
     first = await sse_chat(client, chat_body("hi", chatId="c1", messageId="q1"))
     assert "chatModel" not in first[-1].data

@@ -420,11 +420,15 @@ class ChatService:
         await self.owned_chat(chat_id, user_id)
         return await stored_history(self.store, chat_id)
 
-    async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
-        """3 to 5 follow-up questions for a conversation (small model)."""
-        if not self.llm.configured:
+    async def suggestions(
+        self, history: Sequence[tuple[str, str]], chosen: tuple[str, str] | None = None
+    ) -> list[str]:
+        """3 to 5 follow-up questions for a conversation (small model): of the chosen
+        model's provider (`chosen`: provider, model), else the default's."""
+        llm = self.models.choose(*chosen).llm if chosen is not None else self.llm
+        if not llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
-        return await suggest(self.llm, self.prompts, history)
+        return await suggest(llm, self.prompts, history)
 
     async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
         """What the user's answers cost since `since`, per model."""

@@ -231,7 +231,22 @@ async def suggestions(request: Request) -> Response:
     if not history:
         raise BadRequest("there is no conversation to suggest from")
     await count_request(request)
-    return JSONResponse({"suggestions": await service.suggestions(history)})
+    chosen = suggesting_model(request, body.get("chatModel"))
+    return JSONResponse({"suggestions": await service.suggestions(history, chosen)})
+
+
+def suggesting_model(request: Request, value: Any) -> tuple[str, str] | None:
+    """The model whose provider suggests (`chatModel`, as an answer names it, or as the
+    Perplexica UI does with its provider's name); None (the default's) when it names
+    none the caller may use."""
+    if not isinstance(value, dict) or not isinstance(value.get("model"), str):
+        return None
+    provider = value.get("provider")
+    return _service(request).models.find(
+        value["model"],
+        provider if isinstance(provider, str) else None,
+        restricted=restricted(request),
+    )
 
 
 @json_errors

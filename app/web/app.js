@@ -401,7 +401,7 @@ async function suggest(view) {
   const views = turnViews();
   if (views[views.length - 1] !== view) return;
   try {
-    const { suggestions } = await postJson("/api/suggestions", { chatId: state.chatId });
+    const { suggestions } = await postJson("/api/suggestions", { chatId: state.chatId, ...chosenModel($("#model")) });
     const now = turnViews();
     if (now[now.length - 1] === view && !state.turn) view.showRelated((suggestions || []).slice(0, 5));
   } catch {
