@@ -299,6 +299,14 @@ async def test_perplexica_models_lists_every_provider(client):
     assert set(models["second"]) == {"other-chat", "other-small"}
     assert set(models["claude"]) == {"claude-test", "claude-small"}
     assert any("fake-chat" in listed for listed in models.values())
+    # the settings page reads the same, and may send it back unchanged
+    config = (await client.get("/api/config")).json()
+    assert [m["name"] for m in config["chatModelProviders"]["second"]] == [
+        "other-chat",
+        "other-small",
+    ]
+    saved = await client.post("/api/config", json={**config, "chatModel": "other-chat"})
+    assert saved.status_code == 200
 
 
 def test_providers_load_from_toml_and_env_without_showing_keys(tmp_path):

@@ -34,7 +34,7 @@ from .http import (
     read_json,
     restricted,
 )
-from .perplexica import settings_view
+from .perplexica import chat_providers, settings_view
 
 WEB_INDEX = Path(__file__).resolve().parent.parent / "web" / "index.html"
 
@@ -189,7 +189,7 @@ async def config(request: Request) -> Response:
     settings = request.app.state.settings
     return JSONResponse(
         {
-            **settings_view(settings),
+            **settings_view(settings, chat_providers(request)),
             "focusModes": list(FOCUS_MODES),
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),

@@ -85,21 +85,28 @@ def embedding_models(settings: Settings) -> tuple[str, dict[str, str]]:
     return provider, {name: display}
 
 
-async def models(request: Request) -> Response:
-    """`GET /api/models`: the configured models (never a key): the default's under its
-    provider's name, every other provider's under its id (PROTOCOL §13)."""
-    settings: Settings = request.app.state.settings
-    chat_provider, chat = chat_models(settings)
-    embedding_provider, embedding = embedding_models(settings)
-    providers = {chat_provider: {name: {"displayName": shown} for name, shown in chat.items()}}
-    registry = _service(request).models
-    for provider in registry.visible(restricted=restricted(request)):
+def chat_providers(request: Request) -> dict[str, dict[str, str]]:
+    """The chat models the caller may pick, by provider, name → display name: the
+    default's under its provider's name, every other provider's under its id
+    (PROTOCOL §13)."""
+    chat_provider, chat = chat_models(request.app.state.settings)
+    providers = {chat_provider: dict(chat)}
+    for provider in _service(request).models.visible(restricted=restricted(request)):
         if provider.id != DEFAULT_PROVIDER:
             listed = providers.setdefault(provider.id, {})
-            listed.update({m.id: {"displayName": m.name} for m in provider.models})
+            listed.update({m.id: m.name for m in provider.models})
+    return providers
+
+
+async def models(request: Request) -> Response:
+    """`GET /api/models`: the models the caller may pick (never a key)."""
+    embedding_provider, embedding = embedding_models(request.app.state.settings)
     return JSONResponse(
         {
-            "chatModelProviders": providers,
+            "chatModelProviders": {
+                provider: {name: {"displayName": shown} for name, shown in chat.items()}
+                for provider, chat in chat_providers(request).items()
+            },
             "embeddingModelProviders": {
                 embedding_provider: {
                     name: {"displayName": shown} for name, shown in embedding.items()
@@ -109,14 +116,14 @@ async def models(request: Request) -> Response:
     )
 
 
-def settings_view(settings: Settings) -> dict[str, Any]:
+def settings_view(settings: Settings, chat: dict[str, dict[str, str]]) -> dict[str, Any]:
     """What Perplexica's settings page reads, as lists of {name, displayName}, with
-    every key and address field empty."""
-    chat_provider, chat = chat_models(settings)
+    every key and address field empty; `chat`: the chat models (`chat_providers`)."""
     embedding_provider, embedding = embedding_models(settings)
     return {
         "chatModelProviders": {
-            chat_provider: [{"name": n, "displayName": d} for n, d in chat.items()]
+            provider: [{"name": n, "displayName": d} for n, d in models.items()]
+            for provider, models in chat.items()
         },
         "embeddingModelProviders": {
             embedding_provider: [{"name": n, "displayName": d} for n, d in embedding.items()]
@@ -138,7 +145,7 @@ async def save_config(request: Request) -> Response:
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")
-    current = settings_view(settings)
+    current = settings_view(settings, chat_providers(request))
     changed = sorted(
         key
         for key, value in body.items()
