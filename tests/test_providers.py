@@ -170,6 +170,9 @@ async def test_unknown_provider_or_model_is_a_bad_request_naming_what_exists(cli
     assert response.status_code == 400 and "second" in response.json()["data"]
     response = await client.post("/api/chat/sse", json=chat_body("hi", chatModel="second"))
     assert response.status_code == 400
+    # a model alone is the default's: one it does not have is refused too
+    response = await client.post("/api/chat/sse", json=chat_body("hi", chatModel={"model": "x"}))
+    assert response.status_code == 400 and "fake-chat" in response.json()["data"]
 
 
 async def test_suggestions_come_from_the_chosen_models_provider(client, fake_model, second):
@@ -181,6 +184,18 @@ async def test_suggestions_come_from_the_chosen_models_provider(client, fake_mod
     body = {"history": history, "chatModel": {"provider": "openai", "model": "gpt-4o"}}
     assert (await client.post("/api/suggestions", json=body)).status_code == 200
     assert [r["model"] for r in fake_model.requests] == ["fake-small"]
+
+
+async def test_without_providers_a_model_the_default_lacks_is_refused(settings, fake_model):
+    with serve(create_app(settings)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as http:
+            body = chat_body("hi", chatModel={"model": "gpt-x"})
+            response = await http.post("/api/chat/sse", json=body)
+            assert response.status_code == 400 and "fake-chat" in response.json()["data"]
+            small = chat_body("hi", chatModel={"provider": "default", "model": "fake-small"})
+            events = await sse_chat(http, small)
+    assert events[-1].data["chatModel"] == {"provider": "default", "model": "fake-small"}
+    assert fake_model.streamed_requests()[-1]["model"] == "fake-small"
 
 
 async def test_regenerate_with_another_model(client, fake_model, second):

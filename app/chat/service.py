@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from ..chores import Chores
 from ..collections.service import CollectionService
-from ..config import Settings
+from ..config import DEFAULT_PROVIDER, Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
 from ..events import Event, Handle
 from ..files.service import FileService
@@ -223,7 +223,10 @@ class ChatService:
         its generation uses: that model answers and its provider's small model (else
         the default's) does the small tasks. `BadRequest` naming what exists for an
         unknown one, `ConfigError` for a provider without a key."""
-        if request.provider is None and (request.model is None or not self.settings.providers):
+        default = self.models.providers[DEFAULT_PROVIDER]
+        if request.provider is None and (
+            request.model is None or request.model in default.model_ids()
+        ):
             if not self.llm.configured:
                 raise ConfigError(
                     "no model is configured: set llm.api_key (LLM_API_KEY)", status=503
