@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -74,10 +75,50 @@ class LLMSettings:
     connect_timeout_seconds: float = 10.0
     #: how long the model may stay silent mid-answer
     read_timeout_seconds: float = 120.0
+    #: the most an answer may be, in tokens: an answer cut there ends `completed` with
+    #: `truncated: true` in `messageEnd` and is saved whole
+    max_output_tokens: int = 8192
+    #: where the instructions go: "system", or "user" for a chat template that drops
+    #: system messages (llama.cpp's gemma format)
+    system_prompt: str = "system"
 
     @property
     def effective_small_model(self) -> str:
         return self.small_model or self.model
+
+
+#: `providers.<id>.type`: an OpenAI-compatible server, or Anthropic's Messages API
+PROVIDER_TYPES = ("openai", "anthropic")
+#: the id of the model `[llm]` configures, among the providers
+DEFAULT_PROVIDER = "default"
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    """One `[providers.<id>]` table: a model server beside `[llm]` (PROTOCOL §13)."""
+
+    #: "openai" (any OpenAI-compatible server) or "anthropic" (Anthropic's Messages API)
+    type: str = "openai"
+    #: the name shown in the model picker (empty: the id)
+    name: str = ""
+    base_url: str = field(default="", repr=False)
+    api_key: str = field(default="", repr=False)
+    #: the models offered (empty: listed from the provider)
+    models: tuple[str, ...] = ()
+    #: the model of an answer's small tasks (classify, rewrite, title, suggestions);
+    #: empty: the default model's
+    small_model: str = ""
+    #: the models' context window (0: llm.context_tokens)
+    context_tokens: int = 0
+    #: the most an answer may be, in tokens (0: llm.max_output_tokens)
+    max_output_tokens: int = 0
+    #: where the instructions go: "system", or "user" (empty: llm.system_prompt)
+    system_prompt: str = ""
+    #: with accounts, only admins see and use it
+    admin_only: bool = False
+    #: type "anthropic": the tokens an answer may think before it writes (extended
+    #: thinking, shown as reasoning; at least 1024, below max_output_tokens); 0: none
+    thinking_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -428,11 +469,25 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     share: ShareSettings = field(default_factory=ShareSettings)
     mcp: McpSettings = field(default_factory=McpSettings)
+    #: more models beside `[llm]`, by id (`[providers.openrouter]`; env
+    #: `PROVIDERS_<ID>_<KEY>`)
+    providers: Mapping[str, ProviderSettings] = field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
 
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
-        """A copy with some keys changed: `settings.replace(llm={"model": "x"})`."""
-        changed = {
-            name: _replaced(getattr(self, name), values) for name, values in sections.items()
+        """A copy with some keys changed: `settings.replace(llm={"model": "x"})`;
+        `providers` is replaced whole, each a `ProviderSettings` or a mapping of its keys."""
+        changed: dict[str, Any] = {
+            name: _replaced(getattr(self, name), values)
+            if name != "providers"
+            else types.MappingProxyType(
+                {
+                    pid: p if isinstance(p, ProviderSettings) else ProviderSettings(**p)
+                    for pid, p in values.items()
+                }
+            )
+            for name, values in sections.items()
         }
         return dataclasses.replace(self, **changed)
 
@@ -474,6 +529,9 @@ def load(
 
     sections: dict[str, Any] = {}
     for name, cls in typing.get_type_hints(Settings).items():
+        if name == "providers":
+            sections[name] = _providers(data.get(name, {}), env)
+            continue
         values = _section(cls, data.get(name, {}), name, env)
         if name == "server" and "PORT" in env:
             values["port"] = _from_env(env["PORT"], int, "PORT")
@@ -505,6 +563,45 @@ def _section(cls: type[Any], raw: Any, name: str, env: Mapping[str, str]) -> dic
         elif key in raw:
             values[key] = _coerce(raw[key], kind, where)
     return values
+
+
+#: a provider's id: what `/v1` model names and the environment can carry
+_PROVIDER_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
+
+
+def _providers(raw: Any, env: Mapping[str, str]) -> Mapping[str, ProviderSettings]:
+    """The `[providers.<id>]` tables, and those the environment alone names
+    (`PROVIDERS_OPENROUTER_BASE_URL` makes `openrouter`); each table's keys are read as
+    any section's (`PROVIDERS_<ID>_<KEY>` over the file). Raises `SettingsError` for an
+    id that is not lower-case letters, digits, `-` and `_`, for `default` (the `[llm]`
+    model's id), and for an unknown type."""
+    if not isinstance(raw, dict):
+        raise SettingsError("[providers] must be a table of [providers.<id>] tables")
+    ids = list(raw)
+    keys = sorted((k.upper() for k in typing.get_type_hints(ProviderSettings)), key=len)
+    for name in env:
+        if not name.startswith("PROVIDERS_"):
+            continue
+        rest = name[len("PROVIDERS_") :]
+        for key in reversed(keys):  # the longest key first: BASE_URL before URL
+            if rest.endswith("_" + key) and len(rest) > len(key) + 1:
+                found = rest[: -len(key) - 1].lower()
+                if found.replace("_", "-") not in ids and found not in ids:
+                    ids.append(found)
+                break
+    providers: dict[str, ProviderSettings] = {}
+    for pid in ids:
+        if not _PROVIDER_ID.fullmatch(pid) or pid == DEFAULT_PROVIDER:
+            raise SettingsError(
+                f"[providers.{pid}]: an id is lower-case letters, digits, - and _, and not"
+                f" {DEFAULT_PROVIDER!r} (the [llm] model)"
+            )
+        where = f"providers.{pid.replace('-', '_')}"
+        settings = ProviderSettings(**_section(ProviderSettings, raw.get(pid, {}), where, env))
+        if settings.type not in PROVIDER_TYPES:
+            raise SettingsError(f"{where}.type must be one of {', '.join(PROVIDER_TYPES)}")
+        providers[pid] = settings
+    return types.MappingProxyType(providers)
 
 
 def _derive(settings: Settings, folder: Path) -> Settings:

@@ -293,6 +293,7 @@ def create_app(
         Route("/s/{share_id}", shares.shared, methods=["GET"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
+        Route("/api/providers", api.providers, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
         Route("/api/videos", perplexica.videos, methods=["POST"]),
         Route("/api/discover", perplexica.discover, methods=["GET"]),

@@ -53,6 +53,9 @@ class ChatRequest:
     sources: tuple[str, ...] = ()  # the kinds of sources allowed (empty: the mode decides)
     instructions: str = ""  # extra instructions for the model (Perplexica's systemInstructions)
     model: str | None = None  # a configured chat model the client picked
+    provider: str | None = None  # whose model it is (`chatModel.provider`; None: the default)
+    #: the caller may not use the providers kept for admins (a non-admin, with accounts)
+    restricted: bool = False
     format: str = "default"
     host: str = ""  # the Host the request came to (for links), set by the transport
     transport: str = ""  # "sse" or "ws", for logs and metrics only
@@ -153,6 +156,7 @@ def parse_chat_request(
         )
     history = parse_history(body.get("history"), max_history_messages, max_content_chars)
     search = parse_search(body.get("search"))
+    provider, model = parse_chat_model(body.get("chatModel"))
     if history and history[-1] == ("user", content):
         history = history[:-1]  # the question itself, as the Perplexica UI sends it
 
@@ -175,7 +179,32 @@ def parse_chat_request(
         host=host,
         transport=transport,
         search=search,
+        provider=provider,
+        model=model,
     )
+
+
+#: what a provider id or a model name may be, at most
+MAX_MODEL_CHARS = 200
+
+
+def parse_chat_model(value: Any) -> tuple[str | None, str | None]:
+    """`chatModel` (PROTOCOL §1): `{"provider", "model"}`, or Vane's `{"providerId",
+    "key"}`; (None, None) when absent. Whether they exist is the service's check."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise BadRequest('chatModel must be an object {"provider", "model"}')
+    provider = value.get("provider", value.get("providerId"))
+    model = value.get("model", value.get("key"))
+    for name, given in (("chatModel.provider", provider), ("chatModel.model", model)):
+        if given is not None and (
+            not isinstance(given, str) or not given or len(given) > MAX_MODEL_CHARS
+        ):
+            raise BadRequest(f"{name} must be a string of 1 to {MAX_MODEL_CHARS} characters")
+    if provider is None and model is None:
+        return None, None
+    return provider, model
 
 
 def parse_search(value: Any, name: str = "search") -> SearchFilters | None:

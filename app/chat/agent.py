@@ -25,6 +25,7 @@ calls in flight are closed.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -104,6 +105,13 @@ class Researcher:
         )
         #: models seen to have no tool calling (for this process): they plan in JSON
         self.no_tools: set[str] = set()
+
+    def using(self, llm: ChatModel, settings: Settings) -> Researcher:
+        """This researcher planning with another model (`settings`: with its `[llm]`);
+        its tools and what it learnt of models are shared."""
+        other = copy.copy(self)
+        other.llm, other.settings = llm, settings
+        return other
 
     # -- the loop --------------------------------------------------------------------------
 

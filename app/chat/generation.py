@@ -22,7 +22,7 @@ import orjson
 
 from ..chores import Chores
 from ..collections.service import CollectionSearch, with_collections
-from ..config import Settings
+from ..config import DEFAULT_PROVIDER, Settings
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..files.service import FileService
@@ -484,6 +484,7 @@ class Generation:
                 status=status,
                 questionMessageId=h.question_id,
                 **({"usage": usage.to_json()} if usage else {}),
+                **self._chat_model(),
                 **self.extras,
             )
         try:
@@ -500,10 +501,20 @@ class Generation:
                 name=f"title-{h.chat_id}",
             )
 
+    def _chat_model(self) -> dict[str, Any]:
+        """`messageEnd`'s `chatModel`, when the request chose one (PROTOCOL §13)."""
+        req = self.request
+        if req.provider is None:
+            return {}
+        return {"chatModel": {"provider": req.provider, "model": req.model}}
+
     def _usage(self) -> Usage | None:
         """What the answer cost: the model's own count, else an estimate (about four
-        characters a token); None when the model was never asked."""
+        characters a token); None when the model was never asked. Another provider's
+        model is named `@<provider>/<model>` (how the answer's row keeps it)."""
         model = self.request.model or self.services.settings.llm.model
+        if self.request.provider not in (None, DEFAULT_PROVIDER):
+            model = f"@{self.request.provider}/{model}"
         if self.counted is not None:
             details = self.counted.get("completion_tokens_details") or {}
             return Usage(

@@ -28,13 +28,14 @@ from typing import TypeVar
 
 from ..chores import Chores
 from ..collections.service import CollectionService
-from ..config import Settings
+from ..config import DEFAULT_PROVIDER, Settings
 from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, NotFound, Unavailable
 from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
 from ..metrics import Metrics
 from ..model import ChatModel
+from ..model.providers import ModelRegistry
 from ..ownership import authorize
 from ..prompts import Prompts
 from ..protocol import ChatRequest, Encoder, parse_event_id
@@ -100,6 +101,8 @@ class ChatService:
             chores=self.chores,
             sources_link=self.sources_link,
         )
+        #: the models answers may choose (PROTOCOL §13), listed in the background
+        self.models = ModelRegistry(settings, llm)
         self._generations: dict[str, Generation] = {}
         self._starting = 0  # starts under way: places taken under the process's cap
         self._runs: dict[str, asyncio.Task[None]] = {}  # answer id → its `run()`
@@ -144,8 +147,7 @@ class ChatService:
     async def _start(self, request: ChatRequest) -> Handle:
         """`start` once its place under the process's cap is taken; the generation is
         in `_generations` when it returns."""
-        if not self.llm.configured:
-            raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
+        services, request = self._chosen(request)
         chat_id = request.chat_id or self.ids.next_str()
         question_id = request.message_id or self.ids.next_str()
         chat = await self.store.get_chat(chat_id) if request.chat_id else None
@@ -202,7 +204,7 @@ class ChatService:
             await self.hub.abandon(handle)
             raise
         generation = Generation(
-            self.services,
+            services,
             request,
             handle,
             new_chat=created,
@@ -217,6 +219,33 @@ class ChatService:
         self._runs[handle.answer_id] = run
         run.add_done_callback(functools.partial(self._ended, handle.answer_id))
         return handle
+
+    def _chosen(self, request: ChatRequest) -> tuple[Services, ChatRequest]:
+        """What the request's model (`chatModel`, PROTOCOL §13) changes of the services
+        its generation uses: that model answers and its provider's small model (else
+        the default's) does the small tasks. `BadRequest` naming what exists for an
+        unknown one, `ConfigError` for a provider without a key."""
+        default = self.models.providers[DEFAULT_PROVIDER]
+        if request.provider is None and (
+            request.model is None or request.model in default.model_ids()
+        ):
+            if not self.llm.configured:
+                raise ConfigError(
+                    "no model is configured: set llm.api_key (LLM_API_KEY)", status=503
+                )
+            return self.services, request
+        choice = self.models.choose(request.provider, request.model, restricted=request.restricted)
+        if not choice.llm.configured:
+            raise ConfigError(f"provider {choice.provider} has no api_key", status=503)
+        # its window and output cap are the provider's
+        settings = replace(self.settings, llm=choice.settings)
+        services = replace(
+            self.services,
+            settings=settings,
+            llm=choice.llm,
+            researcher=self.services.researcher.using(choice.llm, settings),
+        )
+        return services, replace(request, provider=choice.provider, model=choice.model)
 
     async def relay(
         self, handle: Handle, encoder: Encoder[Chunk], after_seq: int = 0
@@ -396,11 +425,15 @@ class ChatService:
         await self.owned_chat(chat_id, user_id)
         return await stored_history(self.store, chat_id)
 
-    async def suggestions(self, history: Sequence[tuple[str, str]]) -> list[str]:
-        """3 to 5 follow-up questions for a conversation (small model)."""
-        if not self.llm.configured:
+    async def suggestions(
+        self, history: Sequence[tuple[str, str]], chosen: tuple[str, str] | None = None
+    ) -> list[str]:
+        """3 to 5 follow-up questions for a conversation (small model): of the chosen
+        model's provider (`chosen`: provider, model), else the default's."""
+        llm = self.models.choose(*chosen).llm if chosen is not None else self.llm
+        if not llm.configured:
             raise ConfigError("no model is configured: set llm.api_key (LLM_API_KEY)", status=503)
-        return await suggest(self.llm, self.prompts, history)
+        return await suggest(llm, self.prompts, history)
 
     async def usage(self, user_id: str, since: float = 0.0) -> list[Usage]:
         """What the user's answers cost since `since`, per model."""
@@ -444,6 +477,7 @@ class ChatService:
         self._link_key = (await self.store.secret("sources-links")).encode()
         await self.keeper.open()
         self.chores.spawn(self._probe(), name="probe")
+        self.models.open(self.chores)
 
     async def sweep(self) -> int:
         """Close what dead processes left (see `AnswerKeeper.sweep`)."""
@@ -479,6 +513,7 @@ class ChatService:
         await self.drain(grace)
         await self.keeper.aclose()
         await self.chores.aclose()
+        await self.models.aclose()
 
 
 async def _none() -> None:

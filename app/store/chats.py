@@ -13,7 +13,7 @@ MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 #: what is read of a message: the inserted columns, then what its end saved
-MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error"
+MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model"
 INSERT_MESSAGE = f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 #: the schema's changes, by migration number (the two first differ by dialect: SQLite
@@ -171,6 +171,7 @@ def message_from_row(
         created_at=row[9],
         steps=steps or [],
         error=error,
+        model=row[12] if len(row) > 12 else None,
     )
 
 

@@ -49,6 +49,9 @@ class StoredMessage:
     reply_to: str | None = None  # an answer's question
     steps: list[str] = field(default_factory=list)  # an answer's progress lines
     error: dict[str, str] | None = None  # a failed answer's {"key", "data"}
+    #: the model that answered, as its usage names it (`@<provider>/<model>` for a
+    #: provider other than the default)
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from ..extract import kind_of
 from ..files.service import clean_name
 from ..ids import is_number, parse_id
 from ..model import is_demo
+from ..model.providers import stored_choice
 from ..protocol import FORMATS, OPTIMIZATION_MODES, parse_control, parse_history, parse_messages
 from ..search.web import choose_provider, search_problem
 from .http import (
@@ -31,8 +32,9 @@ from .http import (
     json_errors,
     read_form,
     read_json,
+    restricted,
 )
-from .perplexica import settings_view
+from .perplexica import chat_providers, settings_view
 
 WEB_INDEX = Path(__file__).resolve().parent.parent / "web" / "index.html"
 
@@ -108,6 +110,7 @@ def message_json(message: StoredMessage, question: StoredMessage | None) -> dict
         "createdAt": created,
         "metadata": orjson.dumps(
             {"createdAt": created, "sources": sources if message.role == "assistant" else []}
+            | answered_by(message)
         ).decode(),
     }
     if message.role == "assistant":
@@ -118,6 +121,21 @@ def message_json(message: StoredMessage, question: StoredMessage | None) -> dict
     elif message.rewritten is not None:
         out["rewritten"] = message.rewritten
     return out
+
+
+async def providers(request: Request) -> Response:
+    """`GET /api/providers` (PROTOCOL §13): every model the caller may choose, by
+    provider, with each provider's status. The first listing is waited for a little
+    (a provider that is down refuses at once or times out alone); never a key."""
+    registry = _service(request).models
+    await registry.first_listing()
+    return JSONResponse(registry.to_json(restricted=restricted(request)))
+
+
+def answered_by(message: StoredMessage) -> dict[str, Any]:
+    """`{"chatModel": {"provider", "model"}}` of an answer whose model is known."""
+    chosen = stored_choice(message.model) if message.role == "assistant" else None
+    return {"chatModel": chosen} if chosen else {}
 
 
 @json_errors
@@ -171,7 +189,7 @@ async def config(request: Request) -> Response:
     settings = request.app.state.settings
     return JSONResponse(
         {
-            **settings_view(settings),
+            **settings_view(settings, chat_providers(request)),
             "focusModes": list(FOCUS_MODES),
             "optimizationModes": list(OPTIMIZATION_MODES),
             "formats": list(FORMATS),
@@ -213,7 +231,22 @@ async def suggestions(request: Request) -> Response:
     if not history:
         raise BadRequest("there is no conversation to suggest from")
     await count_request(request)
-    return JSONResponse({"suggestions": await service.suggestions(history)})
+    chosen = suggesting_model(request, body.get("chatModel"))
+    return JSONResponse({"suggestions": await service.suggestions(history, chosen)})
+
+
+def suggesting_model(request: Request, value: Any) -> tuple[str, str] | None:
+    """The model whose provider suggests (`chatModel`, as an answer names it, or as the
+    Perplexica UI does with its provider's name); None (the default's) when it names
+    none the caller may use."""
+    if not isinstance(value, dict) or not isinstance(value.get("model"), str):
+        return None
+    provider = value.get("provider")
+    return _service(request).models.find(
+        value["model"],
+        provider if isinstance(provider, str) else None,
+        restricted=restricted(request),
+    )
 
 
 @json_errors

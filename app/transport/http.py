@@ -202,8 +202,20 @@ def request_user(request: HTTPConnection, chat_request: ChatRequest, body: Any) 
     concurrency cap under `rate_key`."""
     claimed = body.get("userId") if isinstance(body, dict) else None
     return replace(
-        chat_request, user_id=client_identity(request, claimed), cap_key=rate_key(request)
+        chat_request,
+        user_id=client_identity(request, claimed),
+        cap_key=rate_key(request),
+        restricted=restricted(request),
     )
+
+
+def restricted(request: HTTPConnection) -> bool:
+    """Whether the caller may not use the providers kept for admins: with accounts,
+    anyone but an admin."""
+    if request.app.state.identity.mode != "accounts":
+        return False
+    user = current_user(request)
+    return user is None or not user.is_admin
 
 
 def rate_key(request: HTTPConnection) -> str:

@@ -49,6 +49,7 @@ from .http import (
     openai_errors,
     rate_key,
     read_json,
+    restricted,
 )
 from .streaming import StreamResponse
 
@@ -67,12 +68,21 @@ def model_ids() -> list[str]:
 
 
 async def models(request: Request) -> Response:
+    """The focus modes, then each mode with every model the caller may choose
+    (`webSearch@openrouter/deepseek/deepseek-r1`)."""
+    service: ChatService = request.app.state.service
+    chosen = [
+        (f"{mode}@{provider.id}/{model.id}", provider.id)
+        for provider in service.models.visible(restricted=restricted(request))
+        for model in provider.models
+        for mode in MODES
+    ]
     return JSONResponse(
         {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "created": CREATED, "owned_by": "searchchat"}
-                for name in model_ids()
+                {"id": name, "object": "model", "created": CREATED, "owned_by": owner}
+                for name, owner in [*((n, "searchchat") for n in model_ids()), *chosen]
             ],
         }
     )
@@ -89,6 +99,7 @@ async def chat_completions(request: Request) -> Response:
         user_id=api_user(request, claimed),
         cap_key=rate_key(request),
         host=request.headers.get("host", ""),
+        restricted=restricted(request),
     )
     await count_request(request)
     service: ChatService = request.app.state.service
@@ -152,6 +163,7 @@ def parse_model(body: Any) -> tuple[str, str, dict[str, Any]]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model is required: one of GET /v1/models")
+    model, chosen = chosen_model(model)
     focus, _, optimization = model.partition(":")
     collections = parse_collections(body.get("collections"))
     copilot = True
@@ -160,8 +172,25 @@ def parse_model(body: Any) -> tuple[str, str, dict[str, Any]]:
         focus, optimization, copilot = "webSearch", "", False
     elif model not in model_ids() or focus not in FOCUS_MODES:
         raise UnknownModel(f"the model {model!r} does not exist: see GET /v1/models")
-    fields = {"collections": tuple(dict.fromkeys(collections)), "copilot_enabled": copilot}
+    fields = {
+        "collections": tuple(dict.fromkeys(collections)),
+        "copilot_enabled": copilot,
+        **chosen,
+    }
     return focus, optimization, fields
+
+
+def chosen_model(model: str) -> tuple[str, dict[str, Any]]:
+    """`<focusMode>[:<optimizationMode>]@<provider>/<model>` as the mode's name and the
+    chat request's `provider` and `model` (PROTOCOL §13); `@<provider>/<model>` alone
+    is plain chat (deepSeek). A name without `@` is the mode's alone."""
+    mode, at, rest = model.partition("@")
+    if not at:
+        return model, {}
+    provider, _, name = rest.partition("/")
+    if not provider or not name:
+        raise UnknownModel(f"the model {model!r} does not exist: see GET /v1/models")
+    return mode or "deepSeek", {"provider": provider, "model": name}
 
 
 def parse_completion(body: Any, settings: Settings) -> ChatRequest:

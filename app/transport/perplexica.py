@@ -16,12 +16,20 @@ from starlette.responses import JSONResponse, Response
 
 from ..chat.history import rewrite
 from ..chat.service import ChatService
-from ..config import Settings
+from ..config import DEFAULT_PROVIDER, Settings
 from ..errors import BadRequest, Forbidden
 from ..events import Event, Handle
 from ..model import is_demo
+from ..model.providers import ModelRegistry
 from ..protocol import Encoder, Events, parse_chat_request, parse_messages
-from .http import count_request, current_user, json_errors, read_json, request_user
+from .http import (
+    count_request,
+    current_user,
+    json_errors,
+    read_json,
+    request_user,
+    restricted,
+)
 from .streaming import StreamResponse
 
 #: what the settings page may change: preferences the browser keeps for itself
@@ -77,15 +85,27 @@ def embedding_models(settings: Settings) -> tuple[str, dict[str, str]]:
     return provider, {name: display}
 
 
+def chat_providers(request: Request) -> dict[str, dict[str, str]]:
+    """The chat models the caller may pick, by provider, name → display name: the
+    default's under its provider's name, every other provider's under its id
+    (PROTOCOL §13)."""
+    chat_provider, chat = chat_models(request.app.state.settings)
+    providers = {chat_provider: dict(chat)}
+    for provider in _service(request).models.visible(restricted=restricted(request)):
+        if provider.id != DEFAULT_PROVIDER:
+            listed = providers.setdefault(provider.id, {})
+            listed.update({m.id: m.name for m in provider.models})
+    return providers
+
+
 async def models(request: Request) -> Response:
-    """`GET /api/models`: the configured models (never a key)."""
-    settings: Settings = request.app.state.settings
-    chat_provider, chat = chat_models(settings)
-    embedding_provider, embedding = embedding_models(settings)
+    """`GET /api/models`: the models the caller may pick (never a key)."""
+    embedding_provider, embedding = embedding_models(request.app.state.settings)
     return JSONResponse(
         {
             "chatModelProviders": {
-                chat_provider: {name: {"displayName": shown} for name, shown in chat.items()}
+                provider: {name: {"displayName": shown} for name, shown in chat.items()}
+                for provider, chat in chat_providers(request).items()
             },
             "embeddingModelProviders": {
                 embedding_provider: {
@@ -96,14 +116,14 @@ async def models(request: Request) -> Response:
     )
 
 
-def settings_view(settings: Settings) -> dict[str, Any]:
+def settings_view(settings: Settings, chat: dict[str, dict[str, str]]) -> dict[str, Any]:
     """What Perplexica's settings page reads, as lists of {name, displayName}, with
-    every key and address field empty."""
-    chat_provider, chat = chat_models(settings)
+    every key and address field empty; `chat`: the chat models (`chat_providers`)."""
     embedding_provider, embedding = embedding_models(settings)
     return {
         "chatModelProviders": {
-            chat_provider: [{"name": n, "displayName": d} for n, d in chat.items()]
+            provider: [{"name": n, "displayName": d} for n, d in models.items()]
+            for provider, models in chat.items()
         },
         "embeddingModelProviders": {
             embedding_provider: [{"name": n, "displayName": d} for n, d in embedding.items()]
@@ -125,7 +145,7 @@ async def save_config(request: Request) -> Response:
     body = await read_json(request, settings.limits.max_body_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request must be a JSON object")
-    current = settings_view(settings)
+    current = settings_view(settings, chat_providers(request))
     changed = sorted(
         key
         for key, value in body.items()
@@ -297,8 +317,16 @@ def _service(request: Request) -> ChatService:
     return service
 
 
-def picked_model(settings: Settings, name: str | None) -> str | None:
-    """A chat model a client names (the Perplexica UI's `chatModel`), if it is one of
-    the configured ones; None otherwise (the configured default answers)."""
-    _, known = chat_models(settings)
-    return name if name in known else None
+def picked_model(
+    registry: ModelRegistry, name: str | None, provider: str | None, *, restricted: bool
+) -> tuple[str | None, str] | None:
+    """A chat model a client names (the Perplexica UI's `chatModel` and
+    `chatModelProvider`), if it is one of the configured ones: (None, name) for the
+    default's, (provider, name) for another's; None otherwise (the default answers)."""
+    if not name:
+        return None
+    found = registry.find(name, provider, restricted=restricted)
+    if found is None:
+        return None
+    pid, model = found
+    return (None if pid == DEFAULT_PROVIDER else pid), model

@@ -35,7 +35,14 @@ from ..config import Settings
 from ..errors import BadRequest
 from ..events import Event, Handle
 from ..protocol import ChatRequest, Encoder, Events
-from .http import client_identity, count_request, openai_errors, rate_key, read_json
+from .http import (
+    client_identity,
+    count_request,
+    openai_errors,
+    rate_key,
+    read_json,
+    restricted,
+)
 from .openai import (
     conversation,
     event_stream,
@@ -506,7 +513,11 @@ async def create(request: Request) -> Response:
     chat_request, asked = parse_response_request(body, settings)
     user = client_identity(request, body.get("userId"))
     chat_request = replace(
-        chat_request, user_id=user, cap_key=rate_key(request), host=request.headers.get("host", "")
+        chat_request,
+        user_id=user,
+        cap_key=rate_key(request),
+        host=request.headers.get("host", ""),
+        restricted=restricted(request),
     )
     previous = None
     if asked.previous_response_id is not None:

@@ -262,9 +262,15 @@ class Session:
                 transport="ws",
             )
             request = request_user(websocket, request, body)
-            model = picked_model(self.settings, websocket.query_params.get("chatModel"))
-            if model is not None:
-                request = replace(request, model=model)
+            query = websocket.query_params
+            picked = picked_model(
+                service.models,
+                query.get("chatModel"),
+                query.get("chatModelProvider"),
+                restricted=request.restricted,
+            )
+            if picked is not None and request.provider is None and request.model is None:
+                request = replace(request, provider=picked[0], model=picked[1])
             await count_request(websocket)
             handle = await service.start(request)
             await self.follow(handle, request.format)

@@ -20,6 +20,7 @@ import {
 } from "./net.js";
 import { button, fileChip, searchFix, site, TurnView } from "./turn.js";
 import { nextAfterSignIn, showAccount, showKeys, showSignIn, signInAgain, whoAmI } from "./account.js";
+import { chosenModel, loadModels, showAnsweredBy } from "./models.js";
 
 const $ = (selector) => document.querySelector(selector);
 const store = window.localStorage;
@@ -102,6 +103,7 @@ async function ask(content, { messageId = randomId(), replace = null } = {}) {
     copilotEnabled: $("#copilot").checked,
     files: files.map((f) => f.fileId),
     ...searchControls(),
+    ...chosenModel($("#model")),
   });
   if (files.length) {
     addChatFiles(files.map((f) => f.name));
@@ -262,6 +264,7 @@ function deliver(live, event, id) {
   if (id) live.lastEventId = live.view.lastEventId = id;
   live.received++;
   live.view.onEvent(event);
+  if (event.type === "messageEnd") showAnsweredBy(live.view, event.chatModel);
   if (event.type === "messageEnd" || event.type === "error") settle(live, event);
 }
 
@@ -398,7 +401,7 @@ async function suggest(view) {
   const views = turnViews();
   if (views[views.length - 1] !== view) return;
   try {
-    const { suggestions } = await postJson("/api/suggestions", { chatId: state.chatId });
+    const { suggestions } = await postJson("/api/suggestions", { chatId: state.chatId, ...chosenModel($("#model")) });
     const now = turnViews();
     if (now[now.length - 1] === view && !state.turn) view.showRelated((suggestions || []).slice(0, 5));
   } catch {
@@ -578,6 +581,7 @@ async function openChat(chatId) {
         view.part("reasoning-text").textContent = view.reasoning;
       }
       for (const text of message.steps || []) view.step(text);
+      showAnsweredBy(view, JSON.parse(message.metadata || "{}").chatModel);
       if (message.error) view.fail(message.error.key, message.error.data);
       else view.end(message.status === "streaming" ? "failed" : message.status);
     }
@@ -905,6 +909,7 @@ async function signedIn() {
 async function start() {
   if (!(await signedIn())) return;
   if (!(await loadConfig())) return;
+  await loadModels($("#model"));
   if (state.notice) banner(state.notice);
   state.notice = null;
   applyDefaults();

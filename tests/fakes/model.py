@@ -42,7 +42,7 @@ Non-streamed completions (rewrite, title, suggestions, ranking) answer from
 callable reply is called with the prompt. `slow_replies` (substring → seconds)
 delays the answer to such a prompt; one whose client goes meanwhile is kept in
 `replies_closed` (its substring).
-Everything asked is kept in `requests`; every stream's end in `streams`
+`GET /v1/models` lists `models`. Everything asked is kept in `requests`; every stream's end in `streams`
 ("completed", "client_closed", "broken").
 """
 
@@ -101,6 +101,8 @@ class FakeModel:
     tool_ids_empty: bool = False
     slow_replies: dict[str, float] = field(default_factory=dict)
     replies_closed: list[str] = field(default_factory=list)
+    #: what `GET /v1/models` lists
+    models: list[str] = field(default_factory=lambda: ["fake-chat", "fake-small"])
 
     def reset(self) -> None:
         self.requests.clear()
@@ -124,6 +126,7 @@ class FakeModel:
             routes=[
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/models", self.list_models, methods=["GET"]),
             ]
         )
 
@@ -155,6 +158,12 @@ class FakeModel:
         key = request.headers.get("authorization", "").removeprefix("Bearer ")
         shown = f"{key[:7]}{'*' * max(len(key) - 11, 3)}{key[-4:]}" if key else "(none)"
         return _error(401, f"Incorrect API key provided: {shown}. You can find your key online.")
+
+    async def list_models(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return self._refused(request)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+        return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
         if not self._authorised(request):
