@@ -535,6 +535,37 @@ async def test_a_prompt_refused_as_too_long_is_sent_once_more_shorter(
     assert [e.data["data"] for e in events if e.type == "message"][0] == ""  # said once
 
 
+async def test_an_empty_answer_to_a_long_prompt_is_sent_once_more_shorter(
+    settings, fake_model, fake_search
+):
+    fake_search.extra[:] = [
+        {"title": f"中文 {i}", "url": f"https://example.com/zh/{i}", "snippet": CJK}
+        for i in range(8)
+    ]
+    fake_model.context_tokens = 8000
+    fake_model.overflow_empty = True  # as llama.cpp's server answers a prompt over its window
+    events = await ask(
+        settings, web(mode="speed"), llm={"context_tokens": 16000}, search={"max_results": 16}
+    )
+    assert events[-1].type == "messageEnd", events[-1].data
+    first, second = fake_model.streamed_requests()
+    assert len(second["messages"][0]["content"]) < len(first["messages"][0]["content"]) * 0.7
+
+
+@pytest.mark.parametrize("empty", [True, False])
+async def test_a_question_longer_than_the_window_ends_with_an_error_naming_it(
+    settings, fake_model, fake_search, empty
+):
+    fake_model.context_tokens = 2000
+    fake_model.overflow_empty = empty
+    events = await ask(settings, chat_body("why? " + CJK, focusMode="deepSeek"))
+    error = events[-1]
+    assert error.type == "error" and error.data["key"] == "STREAM_ERROR"
+    assert "context window" in error.data["data"] and "empty" not in error.data["data"]
+    if not empty:
+        assert "2000 tokens" in error.data["data"]  # the window the model named
+
+
 # -- what the model may do -----------------------------------------------------------------
 
 
