@@ -167,6 +167,26 @@ async def test_a_classifier_that_answers_garbage_falls_back(settings, fake_model
     assert "sources" in [e.type for e in events]
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "The latest message is about rockets. Search the web for it.",  # chatter, no JSON
+        '{"skipSearch": false, "sources": ["web"], "question": "You decide how a search'
+        " assistant answers the user's latest message, before anything is searched.\"}",
+    ],
+)
+async def test_a_classifier_answer_that_is_no_decision_keeps_the_question(
+    settings, fake_model, fake_search, reply
+):
+    fake_model.replies.insert(0, (CLASSIFY, reply))
+    question = RELEVANT_QUESTION + " explained"
+    events = await ask(settings, web(question, mode="speed"))
+    assert [q for _, q in fake_search.queries] == [question]
+    assert "rewrited" not in [e.type for e in events]
+    assert fake_model.streamed_requests()[-1]["messages"][-1]["content"] == question
+    assert events[-1].data["status"] == "completed"
+
+
 async def test_a_pasted_url_is_read_first_and_cited(settings, fake_model, fake_search):
     url = fake_search.base_url + "/pages/5"
     events = await ask(settings, web(f"summarise {url} for me", mode="speed"))

@@ -196,7 +196,13 @@ class Generation:
         if isinstance(mode.sources, WebSources) and mode.sources.applies(req):
             self.decision = await self._classify(mode.sources, history)
         elif len(req.content) > REWRITE_MIN_CHARS or history:
-            self.rewritten = await rewrite(svc.llm, svc.prompts, req.content, history)
+            self.rewritten = await rewrite(
+                svc.llm,
+                svc.prompts,
+                req.content,
+                history,
+                timeout=svc.settings.research.classify_seconds,
+            )
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
