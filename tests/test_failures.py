@@ -76,6 +76,7 @@ async def test_an_answer_cut_at_max_output_tokens_ends_completed_and_is_saved_wh
     assert end.data["truncated"] is True
     assert answer["status"] == "completed"
     assert answer["content"] == "tok0 tok1 tok2 tok3 tok4 "
+    assert orjson.loads(answer["metadata"])["truncated"] is True
     assert fake_model.streamed_requests()[-1]["max_tokens"] == 5
 
 

@@ -519,6 +519,7 @@ class Generation:
             sources=self.unsaved_sources,
             usage=usage,
             steps=steps_of(self.out.log.events),
+            truncated=self.truncated and error is None,
             error={"key": error.key, "data": error.message} if error is not None else None,
         )
         if error is not None:

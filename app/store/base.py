@@ -50,6 +50,7 @@ class StoredMessage:
     reply_to: str | None = None  # an answer's question
     steps: list[str] = field(default_factory=list)  # an answer's progress lines
     error: dict[str, str] | None = None  # a failed answer's {"key", "data"}
+    truncated: bool = False  # an answer cut at the model's output cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +238,8 @@ class Saved:
     usage: Usage | None = None
     steps: list[str] | None = None
     error: dict[str, str] | None = None
+    #: it was cut at the model's output cap (`llm.max_output_tokens`)
+    truncated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,7 +541,7 @@ MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 #: what is read of a message: the inserted columns, then what its end saved
-MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error"
+MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, truncated"
 
 
 def chat_from_row(row: Any) -> Chat:
@@ -568,6 +571,7 @@ def message_from_row(
         created_at=row[9],
         steps=steps or [],
         error=error,
+        truncated=bool(row[12]),
     )
 
 

@@ -304,6 +304,10 @@ MIGRATIONS = (
     );
     CREATE INDEX collection_group_shares_by_group ON collection_group_shares (group_id);
     """,
+    # 12: an answer cut at the model's output cap (llm.max_output_tokens)
+    """
+    ALTER TABLE messages ADD COLUMN truncated BOOLEAN;
+    """,
 )
 
 
@@ -486,13 +490,14 @@ class PostgresStore(Store):
         async with self.pool.acquire() as conn, conn.transaction():
             result = await conn.execute(
                 "UPDATE messages SET content = $1, reasoning = $2, status = $3, steps = $4,"
-                " error = $5 WHERE id = $6"
+                " error = $5, truncated = $6 WHERE id = $7"
                 + (" AND status = 'streaming'" if only_streaming else ""),
                 saved.content,
                 saved.reasoning,
                 saved.status,
                 saved.steps,
                 saved.error,
+                saved.truncated,
                 answer_id,
             )
             changed = _one_row(result)

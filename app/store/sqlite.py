@@ -324,6 +324,10 @@ MIGRATIONS = (
     );
     CREATE INDEX collection_group_shares_by_group ON collection_group_shares (group_id);
     """,
+    # 12: an answer cut at the model's output cap (llm.max_output_tokens)
+    """
+    ALTER TABLE messages ADD COLUMN truncated INTEGER;
+    """,
 )
 
 #: SQLite's primary result codes of a database that cannot be used now, rather than
@@ -547,14 +551,16 @@ class SQLiteStore(Store):
     ) -> bool:
         async with self._transaction() as db:
             cursor = await db.execute(
-                "UPDATE messages SET content = ?, reasoning = ?, status = ?, steps = ?, error = ?"
-                " WHERE id = ?" + (" AND status = 'streaming'" if only_streaming else ""),
+                "UPDATE messages SET content = ?, reasoning = ?, status = ?, steps = ?, error = ?,"
+                " truncated = ? WHERE id = ?"
+                + (" AND status = 'streaming'" if only_streaming else ""),
                 (
                     saved.content,
                     saved.reasoning,
                     saved.status,
                     _json(saved.steps),
                     _json(saved.error),
+                    int(saved.truncated),
                     answer_id,
                 ),
             )

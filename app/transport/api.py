@@ -108,6 +108,7 @@ def message_json(message: StoredMessage, question: StoredMessage | None) -> dict
         "createdAt": created,
         "metadata": orjson.dumps(
             {"createdAt": created, "sources": sources if message.role == "assistant" else []}
+            | ({"truncated": True} if message.truncated else {})
         ).decode(),
     }
     if message.role == "assistant":
