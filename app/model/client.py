@@ -199,8 +199,19 @@ class LLMClient:
         client = self._require()
         name = model or self.settings.model
         decoder = AnswerDecoder(sink, self._splitter(name))
+        await self._read(client, self._answer_body(messages, name), decoder)
+        for delta in decoder.end():
+            sink(delta)
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    async def _read(
+        self, client: openai.AsyncOpenAI, body: dict[str, Any], decoder: AnswerDecoder
+    ) -> None:
+        """The streamed answer to `body`, fed to `decoder` to its end. On a direct
+        connection (`StreamingClient`) it is fed in the callback that read it from the
+        socket. Cancelling is safe: it closes the upstream response."""
         with model_errors("model", self.host):
-            async with self._open_stream(client, self._answer_body(messages, name)) as response:
+            async with self._open_stream(client, body) as response:
                 try:
                     if isinstance(response, StreamedResponse):
                         await response.pump(decoder.feed)
@@ -208,11 +219,8 @@ class LLMClient:
                         async for data in body_reader(response):
                             if decoder.feed(data):
                                 break
-                except TimeoutError as exc:
+                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
-        for delta in decoder.end():
-            sink(delta)
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
 
     def _splitter(self, name: str) -> ThinkSplitter:
         return ThinkSplitter(
@@ -309,16 +317,8 @@ class LLMClient:
 
         decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):
-            async with asyncio.timeout(timeout), self._open_stream(client, body) as response:
-                try:
-                    if isinstance(response, StreamedResponse):
-                        await response.pump(decoder.feed)
-                    else:
-                        async for data in body_reader(response):
-                            if decoder.feed(data):
-                                break
-                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
-                    raise stalled(exc) from exc
+            async with asyncio.timeout(timeout):
+                await self._read(client, body, decoder)
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
         self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
