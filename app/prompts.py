@@ -29,6 +29,11 @@ NAMES = (
     "planner",
 )
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+_WORD = re.compile(r"\w+")
+#: so many of a prompt's own words in a row, in a model's answer, are an echo of it
+ECHO_WORDS = 6
+#: so many of its first words, beginning an answer, are the prompt's beginning
+HEAD_WORDS = 4
 
 
 class Prompts:
@@ -52,6 +57,25 @@ class Prompts:
             if len(head) > best_len and text.startswith(head):
                 best, best_len = name, len(head)
         return best
+
+    def echoes(self, name: str, text: str) -> bool:
+        """Whether `text`, a model's answer to prompt `name`, repeats the prompt's own
+        words — a base model that continues its prompt instead of following it: it
+        begins as the prompt does, or holds `ECHO_WORDS` of the prompt's words in a row
+        (what fills its placeholders is not its own words: a rewrite may repeat the
+        question)."""
+        words = _WORD.findall(text.lower())
+        template = self._texts[name]
+        runs: set[tuple[str, ...]] = set()
+        for part in _PLACEHOLDER.split(template)[::2]:  # the text between placeholders
+            own = _WORD.findall(part.lower())
+            runs.update(tuple(own[i : i + ECHO_WORDS]) for i in range(len(own) - ECHO_WORDS + 1))
+        head = _WORD.findall(template.lower())[:HEAD_WORDS]
+        if len(words) >= HEAD_WORDS and words[:HEAD_WORDS] == head:
+            return True
+        return any(
+            tuple(words[i : i + ECHO_WORDS]) in runs for i in range(len(words) - ECHO_WORDS + 1)
+        )
 
     def render(self, name: str, **values: str) -> str:
         """The prompt with `{name}` placeholders filled; unknown braces stay as they are.

@@ -167,6 +167,26 @@ async def test_a_classifier_that_answers_garbage_falls_back(settings, fake_model
     assert "sources" in [e.type for e in events]
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "The latest message is about rockets. Search the web for it.",  # chatter, no JSON
+        '{"skipSearch": false, "sources": ["web"], "question": "You decide how a search'
+        " assistant answers the user's latest message, before anything is searched.\"}",
+    ],
+)
+async def test_a_classifier_answer_that_is_no_decision_keeps_the_question(
+    settings, fake_model, fake_search, reply
+):
+    fake_model.replies.insert(0, (CLASSIFY, reply))
+    question = RELEVANT_QUESTION + " explained"
+    events = await ask(settings, web(question, mode="speed"))
+    assert [q for _, q in fake_search.queries] == [question]
+    assert "rewrited" not in [e.type for e in events]
+    assert fake_model.streamed_requests()[-1]["messages"][-1]["content"] == question
+    assert events[-1].data["status"] == "completed"
+
+
 async def test_a_pasted_url_is_read_first_and_cited(settings, fake_model, fake_search):
     url = fake_search.base_url + "/pages/5"
     events = await ask(settings, web(f"summarise {url} for me", mode="speed"))
@@ -533,6 +553,37 @@ async def test_a_prompt_refused_as_too_long_is_sent_once_more_shorter(
     assert sources[0] in second["messages"][0]["content"]
     assert len(second["messages"][0]["content"]) < len(first["messages"][0]["content"]) * 0.7
     assert [e.data["data"] for e in events if e.type == "message"][0] == ""  # said once
+
+
+async def test_an_empty_answer_to_a_long_prompt_is_sent_once_more_shorter(
+    settings, fake_model, fake_search
+):
+    fake_search.extra[:] = [
+        {"title": f"中文 {i}", "url": f"https://example.com/zh/{i}", "snippet": CJK}
+        for i in range(8)
+    ]
+    fake_model.context_tokens = 8000
+    fake_model.overflow_empty = True  # as llama.cpp's server answers a prompt over its window
+    events = await ask(
+        settings, web(mode="speed"), llm={"context_tokens": 16000}, search={"max_results": 16}
+    )
+    assert events[-1].type == "messageEnd", events[-1].data
+    first, second = fake_model.streamed_requests()
+    assert len(second["messages"][0]["content"]) < len(first["messages"][0]["content"]) * 0.7
+
+
+@pytest.mark.parametrize("empty", [True, False])
+async def test_a_question_longer_than_the_window_ends_with_an_error_naming_it(
+    settings, fake_model, fake_search, empty
+):
+    fake_model.context_tokens = 2000
+    fake_model.overflow_empty = empty
+    events = await ask(settings, chat_body("why? " + CJK, focusMode="deepSeek"))
+    error = events[-1]
+    assert error.type == "error" and error.data["key"] == "STREAM_ERROR"
+    assert "context window" in error.data["data"] and "empty" not in error.data["data"]
+    if not empty:
+        assert "2000 tokens" in error.data["data"]  # the window the model named
 
 
 # -- what the model may do -----------------------------------------------------------------

@@ -50,6 +50,27 @@ async def test_title_falls_back_to_the_question_when_the_model_fails(client, fak
     assert chat["chat"]["title"] == "tell me about rust"
 
 
+@pytest.mark.parametrize(
+    "title",
+    [
+        "Write a title of 3 to 5 words for a chat that begins with the question below.",
+        "Use the question's language. No quotes, no punctuation at the end",
+        "Methane" * 15,  # longer than any title
+    ],
+)
+async def test_a_title_that_is_no_title_leaves_the_question_as_title(client, fake_model, title):
+    fake_model.replies[:] = [("Write a title", title)]
+    await sse_chat(client, chat_body("tell me about rust", chatId="51"))
+
+    async def asked():
+        return any("Write a title" in str(r["messages"]) for r in fake_model.requests)
+
+    await wait_for(asked)
+    await asyncio.sleep(0.2)
+    chat = (await client.get("/api/chats/51")).json()
+    assert chat["chat"]["title"] == "tell me about rust"
+
+
 async def test_chats_are_listed_newest_first_per_user_and_deleted(client, fake_model):
     for chat_id in ("61", "62"):
         await sse_chat(client, chat_body("q", chatId=chat_id))
@@ -119,6 +140,25 @@ async def test_long_question_is_rewritten_and_the_rewrite_is_saved(client, fake_
     saved = (await client.get("/api/chats/80")).json()["messages"][0]
     assert saved["content"] == question
     assert saved["rewritten"] == "What is the DeepSeek R1 model?"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "You rewrite a user's latest question so that it can be understood and searched",
+        "- Keep the user's language, names, numbers and intent: falcon engines",
+        "What is the DeepSeek R1 model? " * 8,  # far longer than the question
+    ],
+)
+async def test_a_rewrite_that_is_no_rewrite_leaves_the_question_as_asked(client, fake_model, reply):
+    fake_model.replies.insert(0, ("Standalone question", reply))
+    question = "and what about that model they released last week?"
+    events = await sse_chat(client, chat_body(question, chatId="85", messageId="86"))
+    assert "rewrited" not in [e.type for e in events]
+    assert any("Standalone question" in str(r["messages"]) for r in fake_model.requests)
+    assert fake_model.streamed_requests()[-1]["messages"][-1]["content"] == question
+    saved = (await client.get("/api/chats/85")).json()["messages"][0]
+    assert saved["content"] == question and saved.get("rewritten") is None
 
 
 async def test_short_question_without_history_is_not_rewritten(client, fake_model):

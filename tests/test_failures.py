@@ -58,12 +58,30 @@ async def test_model_failures_end_the_stream_with_an_error_and_save_what_arrived
     await still_serving(client)
 
 
-async def test_empty_body_from_the_model_is_a_stream_error(client, fake_model):
+async def test_empty_body_from_the_model_is_a_stream_error_naming_the_window(client, fake_model):
+    # an empty 200 is how llama.cpp's server answers a prompt over its window
     events = await sse_chat(client, chat_body("q #empty", chatId="510"))
     assert events[-1].type == "error"
     assert events[-1].data["key"] == "STREAM_ERROR"
-    assert "empty" in events[-1].data["data"]
+    assert "context window" in events[-1].data["data"]
+    assert "empty" not in events[-1].data["data"]
     assert (await saved_answer(client, "510"))["status"] == "failed"
+
+
+async def test_an_answer_cut_at_max_output_tokens_ends_completed_and_is_saved_whole(
+    settings, fake_model
+):
+    with serve(create_app(settings.replace(llm={"max_output_tokens": 5}))) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, event_hooks=USER) as client:
+            events = await sse_chat(client, chat_body("never stops #endless", chatId="511"))
+            answer = await saved_answer(client, "511")
+    end = events[-1]
+    assert end.type == "messageEnd" and end.data["status"] == "completed"
+    assert end.data["truncated"] is True
+    assert answer["status"] == "completed"
+    assert answer["content"] == "tok0 tok1 tok2 tok3 tok4 "
+    assert orjson.loads(answer["metadata"])["truncated"] is True
+    assert fake_model.streamed_requests()[-1]["max_tokens"] == 5
 
 
 async def test_unreachable_model_is_a_chat_error(settings, fake_model):

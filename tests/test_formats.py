@@ -78,7 +78,8 @@ async def test_one_generation_in_both_formats_carries_the_same_information(
 ):
     """Render one generation both ways (the live stream, then a replay in the other
     format) and map every default event onto its simple counterpart."""
-    fake_model.replies.insert(0, ("Standalone question", "falcon methane engines"))
+    decision = {"skipSearch": False, "sources": ["web"], "question": "falcon methane engines"}
+    fake_model.replies.insert(0, ("decision (JSON)", orjson.dumps(decision).decode()))
     body = chat_body(RELEVANT_QUESTION + " and more words", focusMode="webSearch", chatId="700")
     default = await read_sse(client, "/api/chat/sse", json=body)
     simple = await read_sse(client, "/api/chat/sse/resume?chatId=700&format=simple", method="GET")

@@ -69,6 +69,13 @@ async def test_golden_transcript_over_sse_and_websocket(
     case, client, server, fake_model, fake_search
 ):
     fake_model.replies.insert(0, ("Standalone question", "how falcon engines burn methane"))
+    # the classifier of the web modes answers in JSON (plain text would decide nothing)
+    decision = {
+        "skipSearch": False,
+        "sources": ["web"],
+        "question": "how falcon engines burn methane",
+    }
+    fake_model.replies.insert(0, ("decision (JSON)", orjson.dumps(decision).decode()))
     ports = [server.port, int(fake_search.base_url.rsplit(":", 1)[1])]
     body = CASES[case]
 

@@ -16,7 +16,7 @@ import pytest
 import app.model.client
 from app.config import LLMSettings
 from app.errors import ModelError, StreamError
-from app.model import LLMClient
+from app.model import ContextTooLong, LLMClient
 from app.model.client import body_reader
 from app.model.errors import refuses_tools
 from app.model.upstream import StreamedResponse, StreamingClient
@@ -503,3 +503,49 @@ async def test_connections_idle_past_their_keep_alive_are_closed_unused():
     finally:
         await pool.aclose()
         server.close()
+
+
+async def test_an_answer_asks_for_at_most_max_output_tokens_and_says_when_it_was_cut(
+    model_url, fake_model
+):
+    client = LLMClient(
+        LLMSettings(base_url=model_url, api_key=fake_model.api_key, model="m", max_output_tokens=7)
+    )
+    try:
+        streamed = await deltas(client, "never stops #endless #reasoning=0")
+        handed = await answered(client, "never stops #endless #reasoning=0")
+        whole = await answered(client, "short #tokens=3 #reasoning=0")
+    finally:
+        await client.aclose()
+    assert [r["max_tokens"] for r in fake_model.streamed_requests()] == [7, 7, 7]
+    for got in (streamed, handed):
+        assert [kind for kind, _ in got].count("content") == 7
+        assert ("finish", "length") in got
+    assert "finish" not in [kind for kind, _ in whole]  # it stopped by itself
+
+
+async def test_a_short_call_abandoned_closes_its_request(model_url, fake_model):
+    fake_model.slow_replies["Name it"] = 30
+    client = llm(model_url, fake_model.api_key)
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await client.complete([{"role": "user", "content": "Name it"}], max_tokens=20)
+
+        async def closed() -> bool:
+            return fake_model.replies_closed == ["Name it"]
+
+        await wait_for(closed)
+    finally:
+        await client.aclose()
+    assert fake_model.short_requests()[0]["stream"] is True
+
+
+async def test_an_empty_answer_is_taken_for_a_prompt_over_the_window(model_url, fake_model):
+    client = llm(model_url, fake_model.api_key)
+    try:
+        with pytest.raises(ContextTooLong) as raised:
+            await answered(client, "q #empty")
+    finally:
+        await client.aclose()
+    assert "context window" in raised.value.message and "empty" not in raised.value.message

@@ -213,3 +213,25 @@ def test_langchain_chat_openai_uses_it(settings, fake_model, fake_search):
         streamed = "".join(chunk.content for chunk in llm.stream("and in short?"))
     assert answer.content == "tok0 tok1 tok2 tok3 tok4 "
     assert streamed == "tok0 tok1 tok2 tok3 tok4 "
+
+
+async def test_an_answer_cut_at_max_output_tokens_finishes_with_length(settings, fake_model):
+    with api(settings, llm={"max_output_tokens": 4}) as (_, base):
+        client = openai.AsyncOpenAI(base_url=base, api_key="anything", max_retries=0)
+        whole = await client.chat.completions.create(
+            model="deepSeek", messages=ask("never stops #endless")
+        )
+        stream = await client.chat.completions.create(
+            model="deepSeek", messages=ask("never stops #endless"), stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+    assert whole.choices[0].message.content == "tok0 tok1 tok2 tok3 "  # its text, not a 502
+    assert whole.choices[0].finish_reason == "length"
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        "tok0 tok1 tok2 tok3 "
+    )

@@ -452,3 +452,17 @@ def test_a_failed_answer_is_a_failed_response(settings, fake_model):
         events = list(client.responses.create(model="deepSeek", input="q #break=2", stream=True))
     assert response.status == "failed" and re.search("broke", response.error.message)
     assert events[-1].type == "response.failed" and events[-1].response.error.message
+
+
+def test_an_answer_cut_at_max_output_tokens_is_incomplete(settings, fake_model):
+    with api(settings, llm={"max_output_tokens": 3}) as (_, client):
+        whole = client.responses.create(model="deepSeek", input="never stops #endless")
+        events = list(
+            client.responses.create(model="deepSeek", input="never stops #endless", stream=True)
+        )
+        again = client.responses.retrieve(whole.id)
+    for response in (whole, events[-1].response, again):
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.output_text == "tok0 tok1 tok2 "
+    assert events[-1].type == "response.incomplete"

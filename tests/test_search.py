@@ -166,7 +166,8 @@ async def test_quality_mode_falls_back_to_the_top_six(client, fake_model, fake_s
 
 
 async def test_the_rewritten_question_is_what_is_searched(client, fake_model, fake_search):
-    fake_model.replies.insert(0, ("Standalone question", "falcon engine methane combustion"))
+    decision = {"sources": ["web"], "question": "falcon engine methane combustion"}
+    fake_model.replies.insert(0, ("decision (JSON)", orjson.dumps(decision).decode()))
     await sse_chat(client, search_body("and how do those engines of theirs burn it exactly?"))
     assert fake_search.queries == [("tavily", "falcon engine methane combustion")]
 

@@ -49,6 +49,9 @@ from .tools import MAX_READS, RESULT_CHARS, Research, Steps, research_tools
 log = logging.getLogger("app.research")
 
 MAX_CALLS_PER_ROUND = 5
+#: the most a JSON plan may be, in tokens: a few calls, written well within a round's
+#: deadline by a slow local model
+PLAN_TOKENS = 250
 #: the share of the model's window the rounds' messages may take (the rest is its answer)
 PLANNING_SHARE = 0.5
 
@@ -280,7 +283,7 @@ class Researcher:
         try:
             async with asyncio.timeout_at(ends):
                 text = await self.llm.complete(
-                    [{"role": "user", "content": prompt}], max_tokens=400
+                    [{"role": "user", "content": prompt}], max_tokens=PLAN_TOKENS
                 )
         except (AppError, TimeoutError) as exc:
             log.info("planning round %d failed: %s", n, getattr(exc, "message", "timeout"))

@@ -2,10 +2,12 @@
 of a follow-up, and the URLs the user pasted — one small-model call, in JSON.
 
 The answer is parsed tolerantly (a well-kept JSON-repair library: fenced, trailing
-commas, unquoted keys, text around it). A model that answers plain text instead is
-taken as having written the standalone question (what the rewrite prompt asked of it
-before). On any failure, or past `research.classify_seconds`, the safe default holds:
-search what the mode allows for the question as asked. A short message with no
+commas, unquoted keys, text around it). A model that answers anything but the JSON
+asked for — plain text, most often its prompt continued — decided nothing: the safe
+default holds, and the question stays as asked. So it does on any failure, past
+`research.classify_seconds`, and for a standalone question that is no rewrite of the
+user's (`history.standalone`: far longer, or the prompt's own words). The call is
+capped at `CLASSIFY_TOKENS`, which a slow local model writes within the deadline. A short message with no
 conversation is not worth a model call: a greeting is told by its words, pasted URLs
 by their shape.
 """
@@ -25,7 +27,7 @@ from ..errors import AppError
 from ..model import ChatModel
 from ..prompts import Prompts
 from ..protocol import SOURCE_KINDS
-from .history import format_history
+from .history import format_history, standalone
 
 log = logging.getLogger("app.chat")
 
@@ -33,6 +35,8 @@ __all__ = ["SOURCE_KINDS", "Decision", "classify", "heuristic", "parse_decision"
 
 #: a question this long, or with a conversation before it, is worth the model's look
 CLASSIFY_MIN_CHARS = 30
+#: the most the decision may be, in tokens (its JSON, with a rewritten question)
+CLASSIFY_TOKENS = 150
 MAX_URLS = 3
 
 _URL = re.compile(r"https?://[^\s<>\"'`)\]]+", re.IGNORECASE)
@@ -98,29 +102,30 @@ async def classify(
     )
     try:
         async with asyncio.timeout(timeout):
-            text = await llm.complete([{"role": "user", "content": prompt}], max_tokens=300)
+            text = await llm.complete(
+                [{"role": "user", "content": prompt}], max_tokens=CLASSIFY_TOKENS, timeout=timeout
+            )
     except (AppError, TimeoutError) as exc:
         log.info("classifier skipped: %s", getattr(exc, "message", "timeout"))
         return safe
-    return parse_decision(text, question, allowed, safe)
+    return parse_decision(text, question, allowed, safe, prompts)
 
 
-def parse_decision(text: str, question: str, allowed: Sequence[str], safe: Decision) -> Decision:
-    """The model's answer as a decision; what cannot be read keeps the safe default."""
+def parse_decision(
+    text: str, question: str, allowed: Sequence[str], safe: Decision, prompts: Prompts
+) -> Decision:
+    """The model's answer as a decision; what is not the JSON asked for keeps the safe
+    default, and a `question` in it that is no rewrite of `question` keeps it as asked."""
     text = text.strip()
     parsed: Any = json_repair.loads(text) if "{" in text else None
     if not isinstance(parsed, dict):
-        # plain text: the standalone question, or "not_needed"
-        line = text.strip().strip("\"'“”").strip()
-        if not line or line.lower().strip(" .") == "not_needed" or "{" in line or len(line) > 500:
-            return safe
-        return Decision(
-            line, sources=safe.sources, urls=safe.urls, asked=True, rewritten=line != question
-        )
-    standalone = parsed.get("question")
-    if not isinstance(standalone, str) or not standalone.strip() or len(standalone) > 2000:
-        standalone = question
-    standalone = standalone.strip()
+        log.info("the classifier answered no decision: the question stands as asked")
+        return safe
+    written = parsed.get("question")
+    rewritten = (
+        standalone(prompts, "classify", written, question) if isinstance(written, str) else None
+    )
+    standalone_question = rewritten or question
     kinds = parsed.get("sources")
     sources = (
         tuple(dict.fromkeys(k for k in kinds if isinstance(k, str) and k in allowed))
@@ -138,10 +143,10 @@ def parse_decision(text: str, question: str, allowed: Sequence[str], safe: Decis
     if skip and pasted:
         skip = False  # a pasted page is read whatever the model thought
     return Decision(
-        standalone,
+        standalone_question,
         skip_search=skip,
         sources=() if skip else (sources or safe.sources),
         urls=pasted[:MAX_URLS],
         asked=True,
-        rewritten=standalone != question,
+        rewritten=standalone_question != question,
     )

@@ -112,6 +112,8 @@ class Generation:
         self.decision: Decision | None = None
         self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
+        #: the model stopped at `llm.max_output_tokens`: the answer is whole but cut
+        self.truncated = False
         self.extras: dict[str, Any] = {}  # what `messageEnd` adds: images, related questions
         #: what the system prompt was made of, to make it again shorter: its prompt's
         #: name, date and sources, and how much of each source
@@ -194,7 +196,13 @@ class Generation:
         if isinstance(mode.sources, WebSources) and mode.sources.applies(req):
             self.decision = await self._classify(mode.sources, history)
         elif len(req.content) > REWRITE_MIN_CHARS or history:
-            self.rewritten = await rewrite(svc.llm, svc.prompts, req.content, history)
+            self.rewritten = await rewrite(
+                svc.llm,
+                svc.prompts,
+                req.content,
+                history,
+                timeout=svc.settings.research.classify_seconds,
+            )
             if self.rewritten:
                 self.out.emit("rewrited", content=self.rewritten)
 
@@ -230,8 +238,11 @@ class Generation:
     async def _answer(self, question: str, history: list[tuple[str, str]]) -> None:
         """Stream the answer. A model that refuses the prompt as longer than its window
         (its window smaller than `llm.context_tokens` says, or a count of ours too
-        low) is asked once more, before anything of the answer came, with half the
-        sources and half the room for the conversation."""
+        low; refused with a 400, or an empty 200 as llama.cpp's server sends) is asked
+        once more, before anything of the answer came, within the window it named
+        (else half the room): fewer sources, less of the conversation. When even that
+        cannot be, or is refused again, the answer ends with an error that names the
+        window."""
         system = await self._system_prompt(question)
         room = self._room()
         self.out.emit("message", data="")
@@ -241,12 +252,38 @@ class Generation:
             try:
                 await self._stream(messages)
                 return
-            except ContextTooLong:
-                if attempt or self.first_token_at or not (self._grounding or history):
+            except ContextTooLong as exc:
+                if self.first_token_at:
                     raise
+                sent = sum(tokens_in(m["content"]) + MESSAGE_TOKENS for m in messages)
+                shorter = None if attempt else self._shorter(system, history, sent, exc.window)
+                if shorter is None:
+                    raise too_long(exc, sent) from exc
                 log.info("the model refused the prompt as too long: once more, shorter")
-                system = self._shorter_system_prompt() or system
-                room //= 2
+                system, room = shorter
+
+    def _shorter(
+        self, system: str, history: list[tuple[str, str]], sent: int, window: int | None
+    ) -> tuple[str, int] | None:
+        """The system prompt and room of a retry after a prompt of `sent` tokens was
+        refused: within `window` (less room for the answer) when the model named it,
+        else half of what was sent; None when the question alone would not fit, or
+        there is nothing to leave out."""
+        room = sent // 2
+        if window:
+            room = min(room, window - min(self._answer_tokens(), window // 4))
+        question = tokens_in(self.request.content) + 2 * MESSAGE_TOKENS
+        if question + tokens_in(self._instructions()) >= room:
+            return None
+        shorter = self._shorter_system_prompt(room)
+        if shorter is None and not history:
+            return None  # nothing would be shorter
+        return shorter or system, room
+
+    def _answer_tokens(self) -> int:
+        """The room an answer is given in the model's window."""
+        most = self.services.settings.llm.max_output_tokens
+        return min(most, 8192) if most > 0 else 8192
 
     def _messages(self, system: str, history: list[tuple[str, str]], room: int) -> list[Message]:
         req = self.request
@@ -287,6 +324,8 @@ class Generation:
                 self._emit_in_pieces("reasoning", delta.text)
         elif kind == "usage":
             self.counted = delta.usage
+        elif kind == "finish":
+            self.truncated = self.truncated or delta.text == "length"
         else:
             self.out.keepalive()
 
@@ -350,7 +389,7 @@ class Generation:
         """The tokens (`tokens_in`) the answer's prompt may hold: the model's window
         less room for the answer (a quarter of it, at most 8,192)."""
         tokens = context_tokens(self.services.settings)
-        return max(0, tokens - min(8192, tokens // 4))
+        return max(0, tokens - min(self._answer_tokens(), tokens // 4))
 
     async def _system_prompt(self, question: str) -> str:
         """The mode's prompt with the sources it found (and the request's extra
@@ -364,9 +403,10 @@ class Generation:
             return ""
         return self.services.prompts.render("instructions", instructions=self.request.instructions)
 
-    def _shorter_system_prompt(self) -> str | None:
+    def _shorter_system_prompt(self, room: int) -> str | None:
         """The system prompt again with half its sources (half of the one source's
-        text, when it has one); None when it has none."""
+        text, when it has one), and no more than fit in `room`; None when it has
+        none."""
         if self._grounding is None:
             return None
         prompt, date, results, chars = self._grounding
@@ -374,10 +414,23 @@ class Generation:
             results = results[: len(results) // 2]
         else:
             results = [replace(r, content=r.text[: len(r.text) // 2]) for r in results]
+        bare = self.services.prompts.render(prompt, date=date, context="")
+        results = fit_sources(results, self._left_for_sources(bare, room), chars)
         self._grounding = (prompt, date, results, chars)
         context = context_of(results, chars)
         return self.services.prompts.render(prompt, date=date, context=context) + (
             self._instructions()
+        )
+
+    def _left_for_sources(self, bare: str, room: int) -> int:
+        """What `room` leaves for the sources beside the prompt `bare` (without them),
+        the request's instructions and its question."""
+        return (
+            room
+            - tokens_in(bare)
+            - tokens_in(self._instructions())
+            - tokens_in(self.request.content)
+            - 2 * MESSAGE_TOKENS
         )
 
     async def _grounded_prompt(self, question: str) -> str:
@@ -421,14 +474,7 @@ class Generation:
         prompt = mode.prompt if web else "files_response"
         bare = svc.prompts.render(prompt, date=date, context="")
         chars = context_chars(req.search)
-        room = (
-            self._room()
-            - tokens_in(bare)
-            - tokens_in(self._instructions())
-            - tokens_in(req.content)
-            - 2 * MESSAGE_TOKENS
-        )
-        results = fit_sources(results, room, chars)
+        results = fit_sources(results, self._left_for_sources(bare, self._room()), chars)
         if not results:
             self.out.emit("progress", data="answering without sources: no room for them")
             return svc.prompts.render(PLAIN_PROMPT, date=date)
@@ -473,6 +519,7 @@ class Generation:
             sources=self.unsaved_sources,
             usage=usage,
             steps=steps_of(self.out.log.events),
+            truncated=self.truncated and error is None,
             error={"key": error.key, "data": error.message} if error is not None else None,
         )
         if error is not None:
@@ -483,6 +530,7 @@ class Generation:
                 "messageEnd",
                 status=status,
                 questionMessageId=h.question_id,
+                **({"truncated": True} if self.truncated else {}),
                 **({"usage": usage.to_json()} if usage else {}),
                 **self._chat_model(),
                 **self.extras,
@@ -568,6 +616,17 @@ class Generation:
 def _log_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("ending a generation failed", exc_info=task.exception())
+
+
+def too_long(exc: ContextTooLong, sent: int) -> StreamError:
+    """The error of a prompt the model would not take, in words that name its window."""
+    window = f"its window is {exc.window} tokens" if exc.window else "its window is smaller"
+    log.info("the prompt (about %d tokens) does not fit the model's context window", sent)
+    return StreamError(
+        f"the prompt (about {sent} tokens, the question and its sources) is longer than the"
+        f" model's context window ({window}): ask a shorter question, or set"
+        " llm.context_tokens to the model's window"
+    )
 
 
 def estimate_tokens(chars: int) -> int:

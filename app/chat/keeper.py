@@ -418,16 +418,22 @@ def saved_from(logged: Sequence[Event], fallback: StoredMessage | None = None) -
         content
     ) + len(reasoning):
         content, reasoning = fallback.content, fallback.reasoning
-    status, error = "failed", None
+    status, error, truncated = "failed", None, False
     last = logged[-1] if logged else None
     if last is not None and last.type == "messageEnd":
         status = last.data.get("status", "completed")
+        truncated = last.data.get("truncated") is True
     elif last is not None and last.type == "error":
         error = {"key": str(last.data.get("key")), "data": str(last.data.get("data"))}
     else:
         error = {"key": "STREAM_ERROR", "data": LOST}
     return Saved(
-        content=content, reasoning=reasoning, status=status, steps=steps_of(logged), error=error
+        content=content,
+        reasoning=reasoning,
+        status=status,
+        steps=steps_of(logged),
+        error=error,
+        truncated=truncated,
     )
 
 

@@ -272,7 +272,8 @@ class Responses:
         elif answer.status == "failed":
             stored.append(event("error", answer.error or {}))
         elif answer.status != "streaming":
-            stored.append(event("messageEnd", {"status": answer.status}))
+            truncated = {"truncated": True} if answer.truncated else {}
+            stored.append(event("messageEnd", {"status": answer.status, **truncated}))
         return stored
 
     async def _runs(self, found: Found) -> Handle | None:

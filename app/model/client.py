@@ -45,6 +45,7 @@ from .wire import (
     ThinkSplitter,
     ToolCall,
     ToolTurn,
+    Verbatim,
     split_think,
     tool_delta,
 )
@@ -157,7 +158,7 @@ class LLMClient:
         out: list[Delta] = []
         decoder = AnswerDecoder(out.append, self._splitter(name))
         with model_errors("model", self.host):
-            async with self._open_stream(client, messages, model) as response:
+            async with self._open_stream(client, self._answer_body(messages, name)) as response:
                 chunks = body_reader(response)
                 try:
                     async for data in chunks:
@@ -198,8 +199,19 @@ class LLMClient:
         client = self._require()
         name = model or self.settings.model
         decoder = AnswerDecoder(sink, self._splitter(name))
+        await self._read(client, self._answer_body(messages, name), decoder)
+        for delta in decoder.end():
+            sink(delta)
+        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    async def _read(
+        self, client: openai.AsyncOpenAI, body: dict[str, Any], decoder: AnswerDecoder
+    ) -> None:
+        """The streamed answer to `body`, fed to `decoder` to its end. On a direct
+        connection (`StreamingClient`) it is fed in the callback that read it from the
+        socket. Cancelling is safe: it closes the upstream response."""
         with model_errors("model", self.host):
-            async with self._open_stream(client, messages, model) as response:
+            async with self._open_stream(client, body) as response:
                 try:
                     if isinstance(response, StreamedResponse):
                         await response.pump(decoder.feed)
@@ -207,11 +219,8 @@ class LLMClient:
                         async for data in body_reader(response):
                             if decoder.feed(data):
                                 break
-                except TimeoutError as exc:
+                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
-        for delta in decoder.end():
-            sink(delta)
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
 
     def _splitter(self, name: str) -> ThinkSplitter:
         return ThinkSplitter(
@@ -234,20 +243,28 @@ class LLMClient:
         """Whether `name` is a reasoning model: its name says so, or it was seen to."""
         return name in self.reasoners or bool(REASONING.search(name))
 
+    def _answer_body(self, messages: Sequence[Message], name: str) -> dict[str, Any]:
+        """An answer's request: streamed, its usage asked for, at most
+        `llm.max_output_tokens` long (a model that never stops is cut there)."""
+        body: dict[str, Any] = {
+            "model": name,
+            "messages": list(messages),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.settings.max_output_tokens > 0:
+            body["max_tokens"] = self.settings.max_output_tokens
+        return body
+
     @contextlib.asynccontextmanager
     async def _open_stream(
-        self, client: openai.AsyncOpenAI, messages: Sequence[Message], model: str | None
+        self, client: openai.AsyncOpenAI, body: dict[str, Any]
     ) -> AsyncIterator[Any]:
-        """The streamed response, opened; a 429 is retried once (after its Retry-After,
-        at most `RETRY_AFTER_CAP` seconds) — only here, before the first token."""
+        """The streamed response to `body`, opened; a 429 is retried once (after its
+        Retry-After, at most `RETRY_AFTER_CAP` seconds) — only here, before the first
+        token."""
         for attempt in range(2):
             try:
-                body = {
-                    "model": model or self.settings.model,
-                    "messages": list(messages),
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
                 response: StreamedResponse | httpx2.Response
                 try:
                     if self._streaming is None:
@@ -273,28 +290,37 @@ class LLMClient:
         max_tokens: int | None = None,
         timeout: float = 60.0,
     ) -> str:
-        """One non-streaming completion (rewrite, title, ranking, suggestions): its text,
-        without its reasoning — `<think>…</think>`, or everything up to a lone
-        `</think>` (a template that leaves the opening tag out, as `stream` splits it).
-        A reasoning model's reasoning counts against `max_tokens`: it is given
-        `REASONING_TOKENS` more, so that a short answer is not left empty."""
+        """A short answer (classify, rewrite, title, ranking, suggestions, planning), read
+        whole: its text, without its reasoning — `<think>…</think>`, or everything up
+        to a lone `</think>` (a template that leaves the opening tag out, as `stream`
+        splits it). A reasoning model's reasoning counts against `max_tokens`: it is
+        given `REASONING_TOKENS` more, so that a short answer is not left empty.
+
+        Streamed, and read to its end: cancelling, or `timeout` passing, closes the
+        request at once, and a server that stops when its client goes (llama.cpp's)
+        stops working on it — an abandoned call never runs on beside the answer."""
         client = self._require()
         name = model or self.settings.effective_small_model
+        body: dict[str, Any] = {"model": name, "messages": list(messages), "stream": True}
+        if max_tokens:
+            extra = REASONING_TOKENS if self.reasons(name) else 0
+            body["max_tokens"] = max_tokens + extra
+        parts: list[str] = []
+        apart = False
+
+        def take(delta: Delta) -> None:
+            nonlocal apart
+            if delta.kind == "content":
+                parts.append(delta.text)
+            elif delta.kind == "reasoning":
+                apart = True
+
+        decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):
             async with asyncio.timeout(timeout):
-                request: dict[str, Any] = {"model": name, "messages": list(messages)}
-                if max_tokens:
-                    extra = REASONING_TOKENS if self.reasons(name) else 0
-                    request["max_tokens"] = max_tokens + extra
-                response = await _post_chat(client, request, stream=False)
-                body = orjson.loads(await response.aread())
-        try:
-            message = body["choices"][0]["message"]
-            text = message.get("content") or ""
-            apart = bool(message.get("reasoning_content") or message.get("reasoning"))
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise StreamError("the model's answer has no choices[0].message") from exc
-        reasoning, content, lone = split_think(text)
+                await self._read(client, body, decoder)
+        decoder.end()
+        reasoning, content, lone = split_think("".join(parts))
         self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
         return content.strip()
 

@@ -29,7 +29,13 @@ class ToolsUnsupported(StreamError):
 
 
 class ContextTooLong(StreamError):
-    """The model refused a request as longer than its context window (a 400)."""
+    """The model refused a request as longer than its context window (a 400 that
+    says so, or a streamed answer that is an empty 200, as llama.cpp's server sends
+    it); `window` is the window in tokens when the model named it."""
+
+    def __init__(self, message: str, window: int | None = None) -> None:
+        super().__init__(message)
+        self.window = window
 
 
 RETRY_AFTER_CAP = 10.0
@@ -80,6 +86,17 @@ def context_exceeded(detail: str) -> bool:
     return bool(_CONTEXT_EXCEEDED.search(detail))
 
 
+#: the window an error names: "maximum context length is 8192 tokens", "exceed context
+#: window of 2048", "context length of 4096", "n_ctx: 2048"
+_WINDOW = re.compile(r"(?i)(?:context(?:[ _]length|[ _]window)?|n_ctx)\D{0,24}?(\d{3,8})(?!\d)")
+
+
+def window_named(detail: str) -> int | None:
+    """The context window, in tokens, that a model's error text names, if it names one."""
+    found = _WINDOW.search(detail)
+    return int(found.group(1)) if found else None
+
+
 @contextlib.contextmanager
 def model_errors(what: str, host: str = "") -> Iterator[None]:
     """Map what the SDK and its HTTP layer raise to our errors, told apart by cause:
@@ -103,8 +120,11 @@ def model_errors(what: str, host: str = "") -> Iterator[None]:
             },
         )
         if too_long:
+            window = window_named(detail)
+            named = f" ({window} tokens)" if window else ""
             raise ContextTooLong(
-                f"the {what} refused the request as longer than its context window"
+                f"the {what} refused the request as longer than its context window{named}",
+                window,
             ) from exc
         raise StreamError(_status_message(what, exc.status_code)) from exc
     except (TimeoutError, openai.APITimeoutError, openai.APIConnectionError) as exc:

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from ..errors import StreamError
-from .errors import redact
+from .errors import ContextTooLong, redact
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
 
@@ -26,9 +26,11 @@ Message = dict[str, str]
 
 @dataclass(slots=True)
 class Delta:
-    """A piece of the model's answer: `reasoning`, `content` or `keepalive`; or, last,
-    `usage`: the tokens the model counted (`usage` holds its `usage` object). Not
-    frozen, like `Event`: one is made per token."""
+    """A piece of the model's answer: `reasoning`, `content` or `keepalive`; or, near
+    the end, `finish` when the model stopped for another reason than having answered
+    (`text` the reason: "length", it reached `max_tokens`), and last `usage`: the
+    tokens the model counted (`usage` holds its `usage` object). Not frozen, like
+    `Event`: one is made per token."""
 
     kind: str
     text: str = ""
@@ -59,9 +61,10 @@ class ToolTurn:
 class AnswerDecoder:
     """The model's streamed answer (`text/event-stream` bytes, as they come) turned
     into deltas handed to `sink`: one `feed` per read. A `: keep-alive` comment is a
-    `keepalive` delta; `data: [DONE]` ends it (`feed` says so)."""
+    `keepalive` delta; `data: [DONE]` ends it (`feed` says so). An answer cut at its
+    `max_tokens` ends with `Delta("finish", "length")` (from `end`)."""
 
-    __slots__ = ("sink", "splitter", "buffer", "received", "done")
+    __slots__ = ("sink", "splitter", "buffer", "received", "done", "finish")
 
     def __init__(self, sink: Callable[[Delta], None], splitter: ThinkSplitter) -> None:
         self.sink = sink
@@ -69,6 +72,8 @@ class AnswerDecoder:
         self.buffer = b""
         self.received = False
         self.done = False
+        #: why the model stopped, when it said so ("stop", "length")
+        self.finish: str | None = None
 
     def feed(self, data: bytes) -> bool:
         """Take one read's bytes; whether the answer has ended (`[DONE]`). Raises
@@ -98,27 +103,40 @@ class AnswerDecoder:
             if payload == b"[DONE]":
                 self.done = True
                 return True
-            for delta in _decode_chunk(payload, splitter):
+            for delta in _decode_chunk(payload, splitter, self):
                 sink(delta)
         return False
 
     def end(self) -> list[Delta]:
-        """What the splitter still holds, once the stream is over; `StreamError` for a
-        stream that held no answer at all."""
+        """What the splitter still holds, once the stream is over, and the `finish`
+        delta of an answer cut at its `max_tokens`. `ContextTooLong` for a stream that
+        held nothing at all: an empty 200 is how llama.cpp's server answers a streamed
+        prompt longer than its window."""
         if not self.received:
-            raise StreamError("the model sent an empty answer")
-        return self.splitter.flush()
+            raise ContextTooLong(
+                "the model sent nothing back, as it does for a prompt longer than its"
+                " context window"
+            )
+        out = self.splitter.flush()
+        if self.finish == "length":
+            out.append(Delta("finish", "length"))
+        return out
 
 
-def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
+def _decode_chunk(payload: bytes, splitter: ThinkSplitter, decoder: AnswerDecoder) -> list[Delta]:
     try:
         chunk = orjson.loads(payload)
         choices = chunk.get("choices")
         usage = chunk.get("usage")
         if choices and usage is None:  # the common case: one piece of the answer
-            delta = choices[0].get("delta") or {}
+            choice = choices[0]
+            delta = choice.get("delta") or {}
             content = delta.get("content")
-            if content and not (delta.get("reasoning_content") or delta.get("reasoning")):
+            if (
+                content
+                and not (delta.get("reasoning_content") or delta.get("reasoning"))
+                and not choice.get("finish_reason")
+            ):
                 return splitter.feed(content)
         if "error" in chunk and not choices:
             error = chunk["error"]
@@ -128,6 +146,8 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter) -> list[Delta]:
         counted = [Delta("usage", usage=usage)] if isinstance(usage, dict) else []
         if not choices:
             return counted
+        if choices[0].get("finish_reason"):
+            decoder.finish = str(choices[0]["finish_reason"])
         delta = choices[0].get("delta") or {}
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         content = delta.get("content")
@@ -271,3 +291,15 @@ def split_think(text: str) -> tuple[str, str, bool]:
 def strip_think(text: str) -> str:
     """A whole completion without its reasoning (for small-model answers)."""
     return split_think(text)[1]
+
+
+class Verbatim(ThinkSplitter):
+    """Content as it came, `<think>` tags and all: for a short answer read whole and
+    split at its end (`split_think`), which can tell a lone `</think>` as a stream
+    cannot."""
+
+    def feed(self, text: str) -> list[Delta]:
+        return [Delta("content", text)]
+
+    def flush(self) -> list[Delta]:
+        return []

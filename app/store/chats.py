@@ -13,7 +13,7 @@ MESSAGE_COLUMNS = (
     "id, chat_id, role, content, reasoning, rewritten, sources, status, reply_to, created_at"
 )
 #: what is read of a message: the inserted columns, then what its end saved
-MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model"
+MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model, truncated"
 INSERT_MESSAGE = f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 #: the schema's changes, by migration number (the two first differ by dialect: SQLite
@@ -141,6 +141,10 @@ MIGRATIONS: dict[int, str | dict[str, str]] = {
         outcome {json}
     );
     """,
+    # 13: an answer cut at the model's output cap (llm.max_output_tokens)
+    13: """
+    ALTER TABLE messages ADD COLUMN truncated {bool};
+    """,
 }
 
 
@@ -172,6 +176,7 @@ def message_from_row(
         steps=steps or [],
         error=error,
         model=row[12] if len(row) > 12 else None,
+        truncated=bool(row[13]) if len(row) > 13 else False,
     )
 
 
@@ -300,13 +305,14 @@ class ChatTables:
             changed = (
                 await tx.execute(
                     "UPDATE messages SET content = ?, reasoning = ?, status = ?, steps = ?,"
-                    " error = ? WHERE id = ?"
+                    " error = ?, truncated = ? WHERE id = ?"
                     + (" AND status = 'streaming'" if only_streaming else ""),
                     saved.content,
                     saved.reasoning,
                     saved.status,
                     json(saved.steps),
                     json(saved.error),
+                    saved.truncated,
                     answer_id,
                 )
                 == 1

@@ -52,6 +52,7 @@ class StoredMessage:
     #: the model that answered, as its usage names it (`@<provider>/<model>` for a
     #: provider other than the default)
     model: str | None = None
+    truncated: bool = False  # an answer cut at the model's output cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +240,8 @@ class Saved:
     usage: Usage | None = None
     steps: list[str] | None = None
     error: dict[str, str] | None = None
+    #: it was cut at the model's output cap (`llm.max_output_tokens`)
+    truncated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,6 +111,7 @@ def message_json(message: StoredMessage, question: StoredMessage | None) -> dict
         "metadata": orjson.dumps(
             {"createdAt": created, "sources": sources if message.role == "assistant" else []}
             | answered_by(message)
+            | ({"truncated": True} if message.truncated else {})
         ).decode(),
     }
     if message.role == "assistant":

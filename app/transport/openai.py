@@ -433,7 +433,8 @@ class OpenAIEncoder(Encoder[bytes]):
         return b"".join(out) or None
 
     def _end(self, data: dict[str, Any]) -> bytes:
-        last = self._body([{"index": 0, "delta": {}, "finish_reason": "stop"}], **asked_for(data))
+        finish = finish_reason(data)
+        last = self._body([{"index": 0, "delta": {}, "finish_reason": finish}], **asked_for(data))
         lines = [self._line(last)]
         if self.include_usage:
             usage = openai_usage(data.get("usage"), self._searches)
@@ -494,6 +495,12 @@ def noted(progress: dict[str, Any]) -> bool:
     return isinstance(step, dict) and bool(step.get("note"))
 
 
+def finish_reason(end: dict[str, Any]) -> str:
+    """OpenAI's `finish_reason` for a `messageEnd`: "length" for an answer cut at
+    `llm.max_output_tokens`, else "stop"."""
+    return "length" if end.get("truncated") else "stop"
+
+
 def asked_for(end: dict[str, Any]) -> dict[str, Any]:
     """What a `messageEnd` carries because the request asked for it: `images` and
     `related_questions`, as Perplexity names them."""
@@ -552,7 +559,9 @@ async def _whole(request: Request, service: ChatService, handle: Handle, model: 
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
+            "choices": [
+                {"index": 0, "message": reply, "finish_reason": finish_reason(answer["end"])}
+            ],
             "usage": openai_usage(answer["usage"], answer["searches"]),
             **answer["sources"],
             **asked_for(answer["end"]),

@@ -110,6 +110,8 @@ class ResponseState:
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}
+        #: why the response is incomplete: "cancelled", or "max_output_tokens" (cut there)
+        self.incomplete: str | None = None
         self.searches = 0
         self.seq = -1
         self._steps: dict[str, int] = {}  # a search step's id → its output index
@@ -129,7 +131,7 @@ class ResponseState:
             "status": self.status,
             "background": asked.background,
             "error": self.error,
-            "incomplete_details": {"reason": "cancelled"} if self.status == "cancelled" else None,
+            "incomplete_details": {"reason": self.incomplete} if self.incomplete else None,
             "instructions": asked.instructions,
             "metadata": asked.metadata,
             "model": asked.model,
@@ -354,18 +356,22 @@ class ResponseState:
 
     def _end(self, data: dict[str, Any]) -> list[dict[str, Any]]:
         cancelled = data.get("status") == "cancelled"
+        if cancelled:
+            self.incomplete = "cancelled"
+        elif data.get("truncated"):
+            self.incomplete = "max_output_tokens"
         out = [
             *self._promote(),
             *self._end_reasoning(),
-            *self._close_message("incomplete" if cancelled else "completed"),
+            *self._close_message("incomplete" if self.incomplete else "completed"),
         ]
         self.usage = responses_usage(data.get("usage"), self.searches)
         if "images" in data:
             self.extra["images"] = data["images"]
         if "relatedQuestions" in data:
             self.extra["related_questions"] = data["relatedQuestions"]
-        self.status = "cancelled" if cancelled else "completed"
-        kind = "response.incomplete" if cancelled else "response.completed"
+        self.status = "cancelled" if cancelled else "incomplete" if self.incomplete else "completed"
+        kind = "response.incomplete" if self.incomplete else "response.completed"
         return [*out, self._event(kind, response=self.response())]
 
     def _fail(self, data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ message, so one test can pick it per request:
     #nousage       no `usage` chunk, even when `stream_options.include_usage` asks
     #nul           each content token carries a NUL character ("tok0\u0000 ")
     #lonethink     content is "Let me think.</think>The answer." (no opening tag)
+    #endless       content tokens without end: only the request's `max_tokens` stops them
+                   (as any answer is cut at `max_tokens`, with finish_reason "length")
 
 A request with `tools` (the research agent's rounds) answers with streamed
 `tool_calls` deltas from `tool_rounds`: each such request takes the next round, a
@@ -32,17 +34,21 @@ assistant message by its id is refused 400, as OpenAI refuses it.
 `context_limit` (characters) answers any request whose messages are longer with
 OpenAI's 400 "maximum context length"; `context_tokens` does the same counting
 tokens as a tokenizer roughly would (a non-ASCII character one, four ASCII ones one).
+With `overflow_empty` a streamed request over either limit gets an empty 200
+instead, as llama.cpp's server answers it.
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
 (reasoning ones counted in `completion_tokens_details.reasoning_tokens`).
 
-Non-streamed completions (rewrite, title, suggestions, ranking) answer from
-`replies`: the first (substring, reply) whose substring is in the prompt; a
-callable reply is called with the prompt. `slow_replies` (substring → seconds)
-delays the answer to such a prompt; one whose client goes meanwhile is kept in
-`replies_closed` (its substring).
-`GET /v1/models` lists `models`. Everything asked is kept in `requests`; every stream's end in `streams`
+Short calls (classify, rewrite, title, suggestions, ranking, planning: streamed
+without `stream_options`, or not streamed) answer from `replies`: the first
+(substring, reply) whose substring is in the prompt; a callable reply is called
+with the prompt; streamed, the reply comes a word a chunk, cut at `max_tokens`
+words. `slow_replies` (substring → seconds) delays the answer to such a prompt; one
+whose client goes meanwhile is kept in `replies_closed` (its substring).
+Everything asked is kept in `requests`; every stream's end in `streams`
+`GET /v1/models` lists `models`.
 ("completed", "client_closed", "broken").
 """
 
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import re
 import struct
 import time
@@ -103,6 +110,7 @@ class FakeModel:
     replies_closed: list[str] = field(default_factory=list)
     #: what `GET /v1/models` lists
     models: list[str] = field(default_factory=lambda: ["fake-chat", "fake-small"])
+    overflow_empty: bool = False
 
     def reset(self) -> None:
         self.requests.clear()
@@ -118,6 +126,7 @@ class FakeModel:
         self.embedding_delay = 0.0
         self.tool_error = None
         self.context_limit = self.context_tokens = None
+        self.overflow_empty = False
         self.slow_replies.clear()
         self.replies_closed.clear()
 
@@ -133,8 +142,14 @@ class FakeModel:
     # -- what tests look at ---------------------------------------------------------
 
     def streamed_requests(self) -> list[dict[str, Any]]:
-        """The answers' streams (not the research agent's tool rounds)."""
-        return [r for r in self.requests if r.get("stream") and not r.get("tools")]
+        """The answers' streams (not the research agent's tool rounds, nor short calls)."""
+        return [
+            r for r in self.requests if r.get("stream") and not r.get("tools") and not short_call(r)
+        ]
+
+    def short_requests(self) -> list[dict[str, Any]]:
+        """The short calls (classify, rewrite, title, suggestions, ranking, planning)."""
+        return [r for r in self.requests if short_call(r)]
 
     def last_system_prompt(self) -> str:
         messages = self.streamed_requests()[-1]["messages"]
@@ -171,6 +186,11 @@ class FakeModel:
         body = orjson.loads(await request.body())
         self.requests.append(body)
         prompt = "\n".join(str(m.get("content") or "") for m in body.get("messages", []))
+        over = (self.context_limit is not None and len(prompt) > self.context_limit) or (
+            self.context_tokens is not None and tokens_of(prompt) > self.context_tokens
+        )
+        if over and self.overflow_empty and body.get("stream"):
+            return Response(b"", media_type="text/event-stream")
         if self.context_limit is not None and len(prompt) > self.context_limit:
             return _error(
                 400,
@@ -192,6 +212,10 @@ class FakeModel:
             )
         if body.get("tools"):
             return await self._tool_answer()
+        if short_call(body) and body.get("stream"):
+            return StreamingResponse(
+                self._short_stream(prompt, body.get("max_tokens")), media_type="text/event-stream"
+            )
         if not body.get("stream"):
             if self.reply_delay:
                 await asyncio.sleep(self.reply_delay)
@@ -221,7 +245,8 @@ class FakeModel:
             words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
             usage = {"prompt_tokens": words}
         return StreamingResponse(
-            self._stream(script, record, usage), media_type="text/event-stream"
+            self._stream(script, record, usage, body.get("max_tokens")),
+            media_type="text/event-stream",
         )
 
     def tool_requests(self) -> list[dict[str, Any]]:
@@ -267,6 +292,27 @@ class FakeModel:
                 record.outcome = "client_closed"
             record.closed_at = time.monotonic()
 
+    async def _short_stream(self, prompt: str, max_tokens: int | None) -> AsyncIterator[bytes]:
+        """A short call's reply from `replies`, a word a chunk (`slow_replies` waits)."""
+        slow = next((k for k in self.slow_replies if k in prompt), None)
+        finished = False
+        try:
+            if self.reply_delay:
+                await asyncio.sleep(self.reply_delay)
+            if slow is not None:
+                await asyncio.sleep(self.slow_replies[slow])
+            words = re.findall(r"\S+\s*|\s+", self._reply(prompt))
+            cut = max_tokens is not None and len(words) > max_tokens
+            yield _chunk({"role": "assistant", "content": ""})
+            for word in words[:max_tokens] if cut else words:
+                yield _chunk({"content": word})
+            yield _chunk({}, finish="length" if cut else "stop")
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished and slow is not None:
+                self.replies_closed.append(slow)
+
     def _reply(self, prompt: str) -> str:
         for needle, reply in self.replies:
             if needle in prompt:
@@ -274,7 +320,11 @@ class FakeModel:
         return "fake reply"
 
     async def _stream(
-        self, script: dict[str, str], record: StreamRecord, usage: dict[str, int] | None = None
+        self,
+        script: dict[str, str],
+        record: StreamRecord,
+        usage: dict[str, int] | None = None,
+        max_tokens: int | None = None,
     ) -> AsyncIterator[bytes]:
         tokens = int(script.get("tokens") or 5)
         reasoning = int(script.get("reasoning") or 2) if "reasoning" in script else 2
@@ -304,9 +354,15 @@ class FakeModel:
                 pieces = [f"tok{i} ".ljust(size, "x") for i in range(tokens)]
             elif "nul" in script:
                 pieces = [f"tok{i}\u0000 " for i in range(tokens)]
+            elif "endless" in script:
+                pieces = (f"tok{i} " for i in itertools.count())
             else:
                 pieces = [f"tok{i} " for i in range(tokens)]
+            finish = "stop"
             for i, piece in enumerate(pieces):
+                if max_tokens is not None and i == max_tokens:
+                    finish = "length"
+                    break
                 if break_at is not None and i == break_at:
                     record.outcome = "broken"
                     raise ConnectionAbortedError("scripted break")
@@ -318,7 +374,7 @@ class FakeModel:
                     await asyncio.Event().wait()
                 if delay:
                     await asyncio.sleep(delay)
-            yield _chunk({}, finish="stop")
+            yield _chunk({}, finish=finish)
             if usage is not None:
                 completion = record.tokens_sent + reasoning
                 usage |= {
@@ -359,6 +415,12 @@ class FakeModel:
         return JSONResponse(
             {"object": "list", "data": data, "model": body.get("model", "fake-embed")}
         )
+
+
+def short_call(body: dict[str, Any]) -> bool:
+    """Whether a request is a short call: not an answer (streamed with its usage asked
+    for) nor a tool round."""
+    return "messages" in body and not body.get("tools") and not body.get("stream_options")
 
 
 def tokens_of(text: str) -> int:
