@@ -8,18 +8,19 @@ schedules) is one more module: its `MIGRATIONS` under the next numbers, listed i
 
 from __future__ import annotations
 
-from . import accounts, chats, collections, files, workers
+from . import accounts, chats, collections, files, schedules, workers
 from .accounts import AccountTables
 from .base import Store
 from .chats import ChatTables
 from .collections import CollectionTables
 from .files import FileTables
+from .schedules import ScheduleTables
 from .sql import Database, Dialect, mapped
 from .workers import WorkerTables
 
 #: the aggregates in the order their parts of one migration run (chats before the
 #: files attached to them, collections before their groups' shares)
-AGGREGATES = (chats, workers, files, accounts, collections)
+AGGREGATES = (chats, workers, files, accounts, collections, schedules)
 
 
 def migrations(dialect: Dialect) -> tuple[str, ...]:
@@ -40,7 +41,15 @@ def migrations(dialect: Dialect) -> tuple[str, ...]:
     return tuple(scripts)
 
 
-class SQLStore(ChatTables, FileTables, CollectionTables, AccountTables, WorkerTables, Store):
+class SQLStore(
+    ChatTables,
+    FileTables,
+    CollectionTables,
+    AccountTables,
+    WorkerTables,
+    ScheduleTables,
+    Store,
+):
     """A `Store` on a SQL `Database` (see `Store` for each method's contract)."""
 
     def __init__(self, db: Database) -> None:
