@@ -43,10 +43,22 @@ from .logs import AccessLog
 from .metrics import Metrics
 from .model import ChatModel, DemoModel, Embedder, LLMClient, is_demo
 from .prompts import Prompts
+from .schedules import ScheduleService
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import close_redis, open_hub, open_redis
-from .transport import api, auth_routes, collections, openai, perplexica, responses, sse, usage, ws
+from .transport import (
+    api,
+    auth_routes,
+    collections,
+    openai,
+    perplexica,
+    responses,
+    schedules,
+    sse,
+    usage,
+    ws,
+)
 from .transport.http import AuthMiddleware, error_response, openai_error
 from .transport.streaming import SERVER_SEND
 
@@ -142,6 +154,19 @@ async def open_service(
             await service.aclose(settings.server.shutdown_grace_seconds)
 
 
+async def open_schedules(
+    service: ChatService, stack: contextlib.AsyncExitStack
+) -> ScheduleService | None:
+    """The scheduler of this process, looking for due runs (PROTOCOL §16), stopped with
+    `stack` before the chat service; None when `schedules.enabled` is off."""
+    if not service.settings.schedules.enabled:
+        return None
+    scheduler = ScheduleService(service)
+    await scheduler.open()
+    stack.push_async_callback(scheduler.aclose)
+    return scheduler
+
+
 def open_model(settings: Settings, prompts: Prompts) -> ChatModel:
     """The model `llm.base_url` names: the built-in demo model for `demo`, else any
     OpenAI-compatible server."""
@@ -193,6 +218,7 @@ def create_app(
             app.state.identity = await open_identity(settings, service, redis, stack)
             app.state.limiter = RateLimiter(settings.limits.requests_per_minute, redis)
             app.state.quota = Quota(service.store, settings.limits.tokens_per_day)
+            app.state.schedules = await open_schedules(service, stack)
             shutdown = GracefulShutdown(
                 service,
                 app.state.sessions,
@@ -267,6 +293,14 @@ def create_app(
         Route("/api/admin/groups", collections.admin_create_group, methods=["POST"]),
         Route("/api/admin/groups/{group_id}", collections.admin_change_group, methods=["PATCH"]),
         Route("/api/admin/groups/{group_id}", collections.admin_delete_group, methods=["DELETE"]),
+        # scheduled research (PROTOCOL §16)
+        Route("/api/schedules", schedules.create, methods=["POST"]),
+        Route("/api/schedules", schedules.listed, methods=["GET"]),
+        Route("/api/schedules/{id}", schedules.get, methods=["GET"]),
+        Route("/api/schedules/{id}", schedules.update, methods=["PATCH"]),
+        Route("/api/schedules/{id}", schedules.delete, methods=["DELETE"]),
+        Route("/api/schedules/{id}/run", schedules.run_now, methods=["POST"]),
+        Route("/api/schedules/{id}/runs", schedules.runs, methods=["GET"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
