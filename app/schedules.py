@@ -233,7 +233,10 @@ class ScheduleService:
 
     async def _loop(self) -> None:
         while True:
-            await self.tick()
+            try:
+                await self.tick()
+            except AppError as exc:  # the store away: the next tick tries again
+                log.warning("scheduler: %s", exc.message)
             await asyncio.sleep(self.tick_seconds)
 
     async def tick(self) -> list[asyncio.Task[Any]]:

@@ -25,7 +25,8 @@ from app.errors import BadRequest
 from app.main import create_app, open_service
 from app.metrics import Metrics
 from app.schedules import ScheduleService, verdict
-from app.store.records import Delivery, Schedule, ScheduleRun
+from app.store import open_store
+from app.store.records import Chat, Delivery, Schedule, ScheduleRun
 from app.webhooks import Webhooks, new_secret, sign
 from tests.client import wait_for
 from tests.conftest import USER
@@ -588,3 +589,53 @@ async def test_a_minutely_cron_runs_once_a_minute_on_two_workers(
                 assert min(dues) >= first_due
                 assert all(d.endswith(":00.000Z") for d in dues)  # on the minute
                 assert all(r["retry"] is False for r in runs)
+
+
+# -- the store's contract, on both backends ----------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[Any]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/store.db"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    async with open_store(url) as opened:
+        yield opened
+
+
+def a_schedule(schedule_id: str, user: str = "u1", next_run_at: float = MONDAY) -> Schedule:
+    return Schedule(
+        schedule_id, user, f"chat-{schedule_id}", "q", YEARLY, "UTC", next_run_at, MONDAY
+    )
+
+
+async def test_store_claims_a_due_time_once_and_takes_a_run_over_once(store: Any) -> None:
+    schedule = a_schedule("s1")
+    chat = Chat(schedule.chat_id, "u1", "q", "webSearch", MONDAY)
+    assert await store.add_schedule(schedule, chat, 1)
+    assert not await store.add_schedule(a_schedule("s2"), chat, 1)  # one per user here
+    assert [s.id for s in await store.due_schedules(MONDAY)] == ["s1"]
+    run = ScheduleRun("r1", "s1", MONDAY, started_at=MONDAY)
+    assert await store.claim_run(schedule, MONDAY + 60, run, "p1", -1)  # a lease run out
+    again = ScheduleRun("r2", "s1", MONDAY, started_at=MONDAY)
+    assert not await store.claim_run(schedule, MONDAY + 60, again, "p2", 30)
+    assert await store.due_schedules(MONDAY + 59) == []
+    # the holder went before it started an answer: taking it over is no retry
+    taken = await store.take_over_run("r1", "p2", -1)
+    assert taken is not None and taken.attempt == 1
+    assert await store.set_run_message("r1", "p2", "answer-1")
+    taken = await store.take_over_run("r1", "p3", 30)
+    assert taken is not None and taken.attempt == 2 and taken.message_id is None
+    assert await store.take_over_run("r1", "p4", 30) is None  # held
+    assert not await store.renew_run("r1", "p2", 30)  # p2 lost it
+    ended = replace(taken, status="completed", ended_at=MONDAY + 5, message_id="answer-2")
+    assert not await store.end_run(ended, "p2", 5)
+    assert await store.end_run(ended, "p3", 5)
+    (listed,) = await store.list_runs("s1")
+    assert (listed.status, listed.attempt, listed.message_id) == ("completed", 2, "answer-2")
+    assert (await store.get_schedule("s1")).last_run_at == MONDAY + 5
+    # the user goes: their schedules, runs and chats go too
+    assert await store.delete_user_schedules("u1") == 1
+    assert await store.get_schedule("s1") is None and await store.get_run("r1") is None
+    assert await store.get_chat(schedule.chat_id) is None
