@@ -45,7 +45,7 @@ from .identity.quota import Quota, next_midnight
 from .ids import parse_id
 from .ownership import authorize
 from .protocol import OPTIMIZATION_MODES, ChatRequest, parse_collections, parse_sources
-from .store.records import Chat, Schedule, ScheduleRun, StoredMessage
+from .store.records import Chat, Schedule, ScheduleRun, StoredMessage, iso
 from .webhooks import Webhooks, check_url, new_secret
 
 log = logging.getLogger("app.schedules")
@@ -466,8 +466,6 @@ def verdict(said: str) -> bool:
 
 def schedule_json(schedule: Schedule, *, secret: bool = False) -> dict[str, Any]:
     """A schedule as the API shows it; the webhook's secret only when `secret`."""
-    from .store.records import iso
-
     out: dict[str, Any] = {
         "id": schedule.id,
         "question": schedule.question,
