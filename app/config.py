@@ -448,6 +448,28 @@ class ShareSettings:
     indexable: bool = False
 
 
+class SchedulesSettings:
+    """Scheduled research (PROTOCOL §16, `[schedules]`)."""
+
+    #: run schedules on this server (every process looks for due runs)
+    enabled: bool = True
+    #: no schedule runs more often than this (its cron's shortest gap is checked)
+    min_interval_seconds: float = 3600.0
+    #: schedules one user may have
+    max_per_user: int = 20
+    #: webhooks may go to loopback, private and link-local addresses
+    webhook_allow_private_networks: bool = False
+    #: a schedule whose runs failed this many times in a row is disabled, saying why
+    pause_after_failures: int = 5
+    #: how often each process looks for due runs and webhooks to send
+    tick_seconds: float = 10.0
+    #: a run's lease: another process takes the run over once it has not been renewed
+    #: this long (its holder renews it every third of it)
+    lease_seconds: float = 60.0
+    #: the longest one webhook request may take
+    webhook_timeout_seconds: float = 10.0
+
+
 @dataclass(frozen=True)
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -474,6 +496,7 @@ class Settings:
     providers: Mapping[str, ProviderSettings] = field(
         default_factory=lambda: types.MappingProxyType({})
     )
+    schedules: SchedulesSettings = field(default_factory=SchedulesSettings)
 
     def replace(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys changed: `settings.replace(llm={"model": "x"})`;

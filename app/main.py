@@ -44,6 +44,7 @@ from .logs import AccessLog
 from .metrics import Metrics
 from .model import ChatModel, DemoModel, Embedder, LLMClient, is_demo
 from .prompts import Prompts
+from .schedules import ScheduleService
 from .search.web import WebSearch, choose_provider, search_problem
 from .store import Store, open_store
 from .streams import close_redis, open_hub, open_redis
@@ -55,6 +56,7 @@ from .transport import (
     openai,
     perplexica,
     responses,
+    schedules,
     shares,
     sse,
     usage,
@@ -155,6 +157,19 @@ async def open_service(
             await service.aclose(settings.server.shutdown_grace_seconds)
 
 
+async def open_schedules(
+    service: ChatService, stack: contextlib.AsyncExitStack
+) -> ScheduleService | None:
+    """The scheduler of this process, looking for due runs (PROTOCOL §16), stopped with
+    `stack` before the chat service; None when `schedules.enabled` is off."""
+    if not service.settings.schedules.enabled:
+        return None
+    scheduler = ScheduleService(service)
+    await scheduler.open()
+    stack.push_async_callback(scheduler.aclose)
+    return scheduler
+
+
 def open_model(settings: Settings, prompts: Prompts) -> ChatModel:
     """The model `llm.base_url` names: the built-in demo model for `demo`, else any
     OpenAI-compatible server."""
@@ -211,6 +226,7 @@ def create_app(
                 app.state.mcp = await stack.enter_async_context(
                     mcp.open_endpoint(settings, service, redis)
                 )
+            app.state.schedules = await open_schedules(service, stack)
             shutdown = GracefulShutdown(
                 service,
                 app.state.sessions,
@@ -291,6 +307,14 @@ def create_app(
         Route("/api/chats/{chat_id}/export", shares.export, methods=["GET"]),
         Route("/api/shares", shares.list_shares, methods=["GET"]),
         Route("/s/{share_id}", shares.shared, methods=["GET"]),
+        # scheduled research (PROTOCOL §16)
+        Route("/api/schedules", schedules.create, methods=["POST"]),
+        Route("/api/schedules", schedules.listed, methods=["GET"]),
+        Route("/api/schedules/{id}", schedules.get, methods=["GET"]),
+        Route("/api/schedules/{id}", schedules.update, methods=["PATCH"]),
+        Route("/api/schedules/{id}", schedules.delete, methods=["DELETE"]),
+        Route("/api/schedules/{id}/run", schedules.run_now, methods=["POST"]),
+        Route("/api/schedules/{id}/runs", schedules.runs, methods=["GET"]),
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/providers", api.providers, methods=["GET"]),

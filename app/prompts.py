@@ -27,6 +27,7 @@ NAMES = (
     "classify",
     "researcher",
     "planner",
+    "schedule_changed",
 )
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 _WORD = re.compile(r"\w+")

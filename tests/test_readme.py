@@ -43,6 +43,8 @@ RESPONSES = ("python", "client.responses.create")
 ADMIN, SIGN_IN, KEY = ("sh", "create-admin"), ("sh", "/api/auth/login"), ("sh", "/api/keys")
 JAVASCRIPT = ("js", "@ai-sdk/openai")
 SHARE = ("sh", "/api/chats/$CHAT/share")
+#: run by tests/test_mcp.py
+MCP = ("python", "from mcp.client.client import Client")
 RUN = (
     ASK,
     STOP,
@@ -59,6 +61,7 @@ RUN = (
     KEY,
     JAVASCRIPT,
     SHARE,
+    MCP,
 )
 
 

@@ -23,10 +23,13 @@ from .records import (
     Chat,
     Checkpoint,
     CollectionRecord,
+    Delivery,
     DocumentRecord,
     FileRecord,
     GroupRecord,
     Saved,
+    Schedule,
+    ScheduleRun,
     ShareRecord,
     StoredChunk,
     StoredMessage,
@@ -418,6 +421,111 @@ class Store(abc.ABC):
     async def delete_share(self, chat_id: str) -> bool:
         """Take back a chat's share; False when it had none. (Deleting the chat
         deletes its share too.)"""
+
+    # -- scheduled research (PROTOCOL §16) -----------------------------------------------
+
+    @abc.abstractmethod
+    async def add_schedule(self, schedule: Schedule, chat: Chat, max_per_user: int) -> bool:
+        """A new schedule and its chat (unless that exists), in one transaction; False
+        (nothing written) when its user has `max_per_user` schedules already — counted
+        under a lock, so two at once cannot both pass."""
+
+    @abc.abstractmethod
+    async def get_schedule(self, schedule_id: str) -> Schedule | None: ...
+
+    @abc.abstractmethod
+    async def list_schedules(self, user_id: str) -> list[Schedule]:
+        """The user's schedules, oldest first."""
+
+    @abc.abstractmethod
+    async def update_schedule(self, schedule: Schedule) -> bool:
+        """Every field a user or a pause may change, as `schedule` says."""
+
+    @abc.abstractmethod
+    async def delete_schedule(self, schedule_id: str) -> bool:
+        """The schedule and its runs; its chat stays."""
+
+    @abc.abstractmethod
+    async def delete_user_schedules(self, user_id: str) -> int:
+        """A user's schedules, their runs and their chats (the user is going)."""
+
+    @abc.abstractmethod
+    async def due_schedules(self, now: float, limit: int = 100) -> list[Schedule]:
+        """Enabled schedules whose `next_run_at` is at or before `now`, earliest first."""
+
+    @abc.abstractmethod
+    async def claim_run(
+        self, schedule: Schedule, next_run_at: float, run: ScheduleRun, owner: str, ttl: float
+    ) -> bool:
+        """Take the schedule's due time `schedule.next_run_at` for `run`, leased to `owner`
+        for `ttl` seconds, and move the schedule on to `next_run_at` — in one transaction,
+        and only while its `next_run_at` is still the one read: of every process that
+        tries for one due time, exactly one gets True."""
+
+    @abc.abstractmethod
+    async def add_run(self, run: ScheduleRun, owner: str, ttl: float) -> bool:
+        """A run asked for now (not a due time), leased to `owner`."""
+
+    @abc.abstractmethod
+    async def renew_run(self, run_id: str, owner: str, ttl: float) -> bool:
+        """Extend a run's lease; False when `owner` no longer holds it."""
+
+    @abc.abstractmethod
+    async def set_run_message(self, run_id: str, owner: str, message_id: str) -> bool:
+        """The answer a run started (an attempt with one is counted, see `take_over_run`)."""
+
+    @abc.abstractmethod
+    async def release_run(self, run_id: str, owner: str) -> None:
+        """Let the run's lease run out now (to be taken again)."""
+
+    @abc.abstractmethod
+    async def abandoned_runs(self, limit: int = 100) -> list[ScheduleRun]:
+        """Runs still `running` whose lease has run out, longest ago first."""
+
+    @abc.abstractmethod
+    async def take_over_run(self, run_id: str, owner: str, ttl: float) -> ScheduleRun | None:
+        """Lease an abandoned run to `owner` (one process of those that try): its attempt
+        counts one more when the holder that went had started an answer. None when it is
+        not abandoned, or was retried once already."""
+
+    @abc.abstractmethod
+    async def end_run(
+        self,
+        run: ScheduleRun,
+        owner: str | None,
+        pause_after: int,
+        delivery: Delivery | None = None,
+    ) -> bool:
+        """In one transaction: the run's end (`status`, `ended_at`, `changed`, `error`,
+        `message_id`) if `owner` holds it (`None`: if its lease ran out), its schedule's
+        failures in a row (reset by a completed or cancelled run; the schedule disabled
+        with a reason at `pause_after`), and `delivery` put in the outbox. False (nothing
+        written) when the run is not `owner`'s to end."""
+
+    @abc.abstractmethod
+    async def get_run(self, run_id: str) -> ScheduleRun | None: ...
+
+    @abc.abstractmethod
+    async def list_runs(self, schedule_id: str, limit: int = 50) -> list[ScheduleRun]:
+        """A schedule's runs, newest first."""
+
+    @abc.abstractmethod
+    async def previous_answer(self, schedule_id: str, run_id: str) -> str | None:
+        """The answer id of the schedule's latest completed run other than `run_id`."""
+
+    @abc.abstractmethod
+    async def claim_deliveries(
+        self, now: float, owner: str, ttl: float, limit: int = 20
+    ) -> list[Delivery]:
+        """Pending webhooks due at `now`, each leased to `owner` for `ttl` seconds (one
+        process gets each)."""
+
+    @abc.abstractmethod
+    async def end_delivery(self, delivery: Delivery, owner: str) -> bool:
+        """A delivery's outcome: its status, attempts, next attempt and error."""
+
+    @abc.abstractmethod
+    async def get_delivery(self, delivery_id: str) -> Delivery | None: ...
 
 
 __all__ = ["Store", "bad_invite", "iso", "mapping_errors"]

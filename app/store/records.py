@@ -335,3 +335,83 @@ class ShareRecord:
 
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# -- scheduled research (PROTOCOL §16) ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A question asked on a cron schedule, answered in its own chat. `options` holds
+    what the answer is asked with (`focusMode`, `optimizationMode`, `sources`,
+    `collections`, `chatModel`), as the API took them; `failures` counts the failed
+    runs in a row; a schedule paused by them has `enabled` false and `paused_reason`.
+    `last_run_at` (read only) is when its latest completed run ended."""
+
+    id: str
+    user_id: str
+    chat_id: str
+    question: str
+    cron: str
+    timezone: str
+    next_run_at: float
+    created_at: float
+    options: dict[str, Any] = field(default_factory=dict)
+    webhook_url: str | None = None
+    webhook_secret: str | None = None
+    notify: str = "always"  # always | changed
+    enabled: bool = True
+    paused_reason: str | None = None
+    failures: int = 0
+    last_run_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRun:
+    """One run of a schedule: for its due time (`due_at`; a run asked for now is due when
+    asked), held by the process whose lease token is `owner` until `lease_until` (the
+    database's clock). `attempt` 2 is a retry after the first holder went away."""
+
+    id: str
+    schedule_id: str
+    due_at: float
+    status: str = "running"  # running | completed | failed | cancelled
+    attempt: int = 1
+    started_at: float | None = None
+    ended_at: float | None = None
+    message_id: str | None = None
+    changed: bool | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "dueAt": iso(self.due_at),
+            "startedAt": iso(self.started_at) if self.started_at is not None else None,
+            "endedAt": iso(self.ended_at) if self.ended_at is not None else None,
+            "status": self.status,
+            "messageId": self.message_id,
+            "changed": self.changed,
+            "attempt": self.attempt,
+            "retry": self.attempt > 1,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A webhook to send (an outbox row): its body is sent as it is, signed with
+    `secret`, until it is delivered or `expires_at` passes; `next_at` is when the
+    next attempt is due."""
+
+    id: str
+    url: str
+    secret: str
+    body: str
+    next_at: float
+    expires_at: float
+    attempts: int = 0
+    status: str = "pending"  # pending | delivered | failed
+    error: str | None = None

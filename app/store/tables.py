@@ -8,19 +8,20 @@ schedules) is one more module: its `MIGRATIONS` under the next numbers, listed i
 
 from __future__ import annotations
 
-from . import accounts, chats, collections, files, shares, workers
+from . import accounts, chats, collections, files, schedules, shares, workers
 from .accounts import AccountTables
 from .base import Store
 from .chats import ChatTables
 from .collections import CollectionTables
 from .files import FileTables
+from .schedules import ScheduleTables
 from .shares import ShareTables
 from .sql import Database, Dialect, mapped
 from .workers import WorkerTables
 
 #: the aggregates in the order their parts of one migration run (chats before the
 #: files attached to them, collections before their groups' shares)
-AGGREGATES = (chats, workers, files, accounts, collections, shares)
+AGGREGATES = (chats, workers, files, accounts, collections, shares, schedules)
 
 
 def migrations(dialect: Dialect) -> tuple[str, ...]:
@@ -42,7 +43,14 @@ def migrations(dialect: Dialect) -> tuple[str, ...]:
 
 
 class SQLStore(
-    ChatTables, FileTables, CollectionTables, AccountTables, WorkerTables, ShareTables, Store
+    ChatTables,
+    FileTables,
+    CollectionTables,
+    AccountTables,
+    WorkerTables,
+    ShareTables,
+    ScheduleTables,
+    Store,
 ):
     """A `Store` on a SQL `Database` (see `Store` for each method's contract)."""
 
