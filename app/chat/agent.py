@@ -245,11 +245,14 @@ class Researcher:
                     return list(turn.calls)
                 log.info("model %s made no tool call where one was required: JSON", model)
                 self.no_tools.add(model)
-        return await self._plan_in_json(job, tools, n, budget, ends)
+        return await self._plan_in_json(job, tools, n, budget)
 
     async def _plan_in_json(
-        self, job: Research, tools: list[dict[str, Any]], n: int, budget: Budget, ends: float
+        self, job: Research, tools: list[dict[str, Any]], n: int, budget: Budget
     ) -> list[ToolCall] | None:
+        """The round's calls from a JSON plan in text. The planner has a round's time of
+        its own (`research.round_seconds`, within the research's budget), not what a
+        failed tool call left of the round; None when it gave no plan in time."""
         described = "\n".join(
             f"- {t['function']['name']}"
             f"({', '.join(t['function']['parameters']['properties'])}): "
@@ -269,13 +272,24 @@ class Researcher:
             question=job.question,
             found=found or "(nothing yet)",
         )
+        loop = asyncio.get_running_loop()
+        round_ends = loop.time() + self.settings.research.round_seconds
+        ends = min(round_ends, job.deadline)
         try:
             async with asyncio.timeout_at(ends):
                 text = await self.llm.complete(
                     [{"role": "user", "content": prompt}], max_tokens=400
                 )
-        except (AppError, TimeoutError) as exc:
-            log.info("planning round %d failed: %s", n, getattr(exc, "message", "timeout"))
+        except AppError as exc:
+            log.info("planning round %d failed: %s", n, exc.message)
+            return None
+        except TimeoutError:
+            passed = (
+                f"research.round_seconds ({self.settings.research.round_seconds:g} s)"
+                if round_ends <= job.deadline
+                else f"the research's budget ({budget.seconds:g} s)"
+            )
+            log.info("planning round %d failed: no plan within %s", n, passed)
             return None
         return parse_plan(text, {t["function"]["name"] for t in tools})
 
