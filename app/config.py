@@ -60,6 +60,12 @@ class LLMSettings:
     context_tokens: int = 32768
     connect_timeout_seconds: float = 10.0
     read_timeout_seconds: float = 120.0
+    #: the most an answer may be, in tokens: an answer cut there ends `completed` with
+    #: `truncated: true` in `messageEnd` and is saved whole
+    max_output_tokens: int = 8192
+    #: where the instructions go: "system", or "user" for a chat template that drops
+    #: system messages (llama.cpp's gemma format)
+    system_prompt: str = "system"
 
     @property
     def effective_small_model(self) -> str:

@@ -27,7 +27,10 @@ list of (name, arguments) calls (several: parallel calls); when none are left, a
 `done` call. `tools_refused` answers such requests 400 ("tools is not supported"),
 `tools_ignored` with text and no call; `tool_delay` waits before answering (or
 refusing); `tool_error` answers them 400 with that text; `tool_ids_empty` sends calls
-without ids. A request whose `tool` messages do not answer a call of an earlier
+without ids. A tool request with `"stream": false` is answered with the round's calls
+in one `chat.completion`; `tool_stream_empty` answers streamed ones with an empty 200
+(as llama.cpp's server does for a format that cannot stream calls), `tool_stream_error`
+with that status, and `tool_whole_error` the non-streamed ones. A request whose `tool` messages do not answer a call of an earlier
 assistant message by its id is refused 400, as OpenAI refuses it.
 `context_limit` (characters) answers any request whose messages are longer with
 OpenAI's 400 "maximum context length"; `context_tokens` does the same counting
@@ -36,6 +39,9 @@ tokens as a tokenizer roughly would (a non-ASCII character one, four ASCII ones 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
 (reasoning ones counted in `completion_tokens_details.reasoning_tokens`).
+`drops_system` leaves the system messages out of that count, as a chat template that
+drops them does. `refused_parameters` (name → status) refuses any request carrying
+one of those parameters, in the words OpenAI uses for `max_tokens`.
 
 Non-streamed completions (rewrite, title, suggestions, ranking) answer from
 `replies`: the first (substring, reply) whose substring is in the prompt; a
@@ -101,6 +107,11 @@ class FakeModel:
     tool_ids_empty: bool = False
     slow_replies: dict[str, float] = field(default_factory=dict)
     replies_closed: list[str] = field(default_factory=list)
+    tool_stream_empty: bool = False
+    tool_stream_error: int | None = None
+    tool_whole_error: int | None = None
+    drops_system: bool = False
+    refused_parameters: dict[str, int] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -118,6 +129,9 @@ class FakeModel:
         self.context_limit = self.context_tokens = None
         self.slow_replies.clear()
         self.replies_closed.clear()
+        self.tool_stream_empty = self.drops_system = False
+        self.tool_stream_error = self.tool_whole_error = None
+        self.refused_parameters.clear()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -161,6 +175,12 @@ class FakeModel:
             return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        refused = next((p for p in self.refused_parameters if p in body), None)
+        if refused is not None:
+            return _error(
+                self.refused_parameters[refused],
+                f"Unsupported parameter: '{refused}' is not supported with this model.",
+            )
         prompt = "\n".join(str(m.get("content") or "") for m in body.get("messages", []))
         if self.context_limit is not None and len(prompt) > self.context_limit:
             return _error(
@@ -182,7 +202,7 @@ class FakeModel:
                 "preceeding message with 'tool_calls'.",
             )
         if body.get("tools"):
-            return await self._tool_answer()
+            return await self._tool_answer(streamed=bool(body.get("stream")))
         if not body.get("stream"):
             if self.reply_delay:
                 await asyncio.sleep(self.reply_delay)
@@ -209,7 +229,10 @@ class FakeModel:
         self.streams.append(record)
         usage = None
         if (body.get("stream_options") or {}).get("include_usage") and "nousage" not in script:
-            words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+            counted = [
+                m for m in body["messages"] if not (self.drops_system and m["role"] == "system")
+            ]
+            words = sum(len(str(m.get("content", "")).split()) for m in counted)
             usage = {"prompt_tokens": words}
         return StreamingResponse(
             self._stream(script, record, usage), media_type="text/event-stream"
@@ -218,15 +241,32 @@ class FakeModel:
     def tool_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r.get("tools")]
 
-    async def _tool_answer(self) -> Response:
+    async def _tool_answer(self, *, streamed: bool = True) -> Response:
         if self.tools_refused:
             await asyncio.sleep(self.tool_delay)
             return _error(400, "registry.ollama.ai/library/gemma3 does not support tools")
         if self.tool_error is not None:
             return _error(400, self.tool_error)
+        if streamed and self.tool_stream_empty:
+            return Response(b"", media_type="text/event-stream")
+        failed = self.tool_stream_error if streamed else self.tool_whole_error
+        if failed is not None:
+            return _error(failed, f"fake failure {failed}")
+        calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
+        if not streamed:
+            made = [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": orjson.dumps(arguments).decode()},
+                }
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            answer = _completion("")
+            answer["choices"][0]["message"] |= {"content": None, "tool_calls": made}
+            return JSONResponse(answer)
         record = StreamRecord()
         self.tool_streams.append(record)
-        calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
         return StreamingResponse(self._tool_stream(calls, record), media_type="text/event-stream")
 
     async def _tool_stream(
