@@ -14,7 +14,7 @@ from app.errors import ConfigError
 from app.main import create_app
 from app.model import LLMClient
 from app.model.quirks import refused_parameter, with_instructions_in_user, without_refused
-from tests.client import sse_chat
+from tests.client import answer_of, chat_body, reasoning_of, sse_chat
 from tests.conftest import USER
 from tests.servers import serve
 from tests.test_agent import PLAN_JSON, ask, decided, steps, web
@@ -256,3 +256,46 @@ async def test_the_next_answer_does_not_stream_tools_again(settings, fake_model,
                 events = await sse_chat(http, web())
                 assert events[-1].data["status"] == "completed"
     assert [r.get("stream", False) for r in fake_model.tool_requests()] == [True, False, False]
+
+
+# -- a template that leaves the opening <think> out, on the first answer -----------------------
+
+R1_ALIAS = {
+    "id": "local-model",
+    "object": "model",
+    "root": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+}
+
+
+async def test_a_model_listed_as_leaving_the_tag_out_is_split_from_its_first_answer(
+    model_url, fake_model
+):
+    fake_model.listed[:] = [R1_ALIAS, {"id": "plain-model", "object": "model"}]
+    llm = LLMClient(
+        LLMSettings(base_url=model_url, api_key=fake_model.api_key, model="local-model")
+    )
+    got: list[tuple[str, str]] = []
+    try:
+        assert await llm.probe() is None
+        await llm.answer(
+            [{"role": "user", "content": "explain #lonethink #reasoning=0"}],
+            lambda d: got.append((d.kind, d.text)),
+        )
+    finally:
+        await llm.aclose()
+    assert "".join(t for kind, t in got if kind == "reasoning") == "Let me think."
+    assert "".join(t for kind, t in got if kind == "content") == "The answer."
+    assert llm.open_left_out == {"local-model"}
+
+
+async def test_the_first_answer_of_a_fresh_server_shows_no_reasoning_as_answer(
+    settings, fake_model
+):
+    fake_model.listed[:] = [R1_ALIAS]
+    app = create_app(settings.replace(llm={"model": "local-model"}))
+    with serve(app) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as http:
+            events = await sse_chat(http, chat_body("explain #lonethink #reasoning=0"))
+    assert events[-1].data["status"] == "completed"
+    assert answer_of(events) == "The answer."
+    assert reasoning_of(events) == "Let me think."

@@ -113,6 +113,8 @@ class ChatModel(Protocol):
 
 
 PROBE_SECONDS = 10.0
+#: how long a first answer waits for the model list `probe` is reading
+LIST_SECONDS = 2.0
 
 T = TypeVar("T")
 
@@ -139,6 +141,8 @@ class LLMClient:
         #: models whose prompt count was looked at for a dropped system prompt
         self.counted: set[str] = set()
         self.warned_uncounted: set[str] = set()
+        #: the model list being read by `probe` (an answer that starts meanwhile waits)
+        self._listing: asyncio.Future[None] | None = None
         self._client: openai.AsyncOpenAI | None = None
         self._streaming: StreamingClient | None = None
         if settings.api_key:
@@ -179,6 +183,8 @@ class LLMClient:
         """
         client = self._require()
         name = model or self.settings.model
+        if self._listing is not None and not self._listing.done():
+            await self._listed()
         out: list[Delta] = []
         watched = self._watch_count(name, messages, out.append)
         decoder = AnswerDecoder(watched, self._splitter(name))
@@ -223,6 +229,8 @@ class LLMClient:
         upstream response, as closing `stream` does."""
         client = self._require()
         name = model or self.settings.model
+        if self._listing is not None and not self._listing.done():
+            await self._listed()
         decoder = AnswerDecoder(self._watch_count(name, messages, sink), self._splitter(name))
         with model_errors("model", self.host):
             async with self._open_stream(client, messages, model) as response:
@@ -238,6 +246,31 @@ class LLMClient:
         for delta in decoder.end():
             sink(delta)
         self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    async def _listed(self) -> None:
+        """Wait for the model list `probe` is reading, at most `LIST_SECONDS` (a
+        first answer that starts with the server)."""
+        if self._listing is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LIST_SECONDS):
+                    await asyncio.shield(self._listing)
+
+    def _learn_listed(self, body: bytes) -> None:
+        """What the model list says of each model: one served under a name that says
+        nothing (an alias) may be listed with what it is (vLLM's `root`, a `parent`);
+        the name rules apply to that too, so a template that leaves the opening
+        `<think>` out is split from its first answer. A list that cannot be read
+        teaches nothing."""
+        try:
+            models = orjson.loads(body).get("data")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        for entry in models if isinstance(models, list) else ():
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                continue
+            said = [entry.get(key) for key in ("id", "root", "parent")]
+            if any(isinstance(what, str) and OPEN_LEFT_OUT.search(what) for what in said):
+                self.open_left_out.add(entry["id"])
 
     def _splitter(self, name: str) -> ThinkSplitter:
         return ThinkSplitter(
@@ -454,9 +487,11 @@ class LLMClient:
     async def _streamed_tool_turn(
         self, client: openai.AsyncOpenAI, name: str, body: dict[str, Any]
     ) -> tuple[list[str], dict[int, list[str]]]:
-        """The text and calls (index → [id, name, arguments]) of a streamed tool turn;
-        `NoToolTurn` when the stream held no chunk at all."""
-        post = functools.partial(_post_chat, client, stream=True)
+        """The text and calls (index → [id, name, arguments]) of a streamed tool turn,
+        read as the answer's stream is (a connection its server closed after an empty
+        answer is not taken again for the next request); `NoToolTurn` when the stream
+        held no chunk at all."""
+        post = functools.partial(self._post_streamed, client)
         response = await self._send(name, {**body, "stream": True}, post)
         content: list[str] = []
         calls: dict[int, list[str]] = {}
@@ -511,19 +546,26 @@ class LLMClient:
 
     async def probe(self) -> str | None:
         """Ask the model server for its models (`GET /models`): any answer but a
-        refused key means it can be reached (some servers have no such route)."""
+        refused key means it can be reached (some servers have no such route). What
+        the list says of a model is learned (`_learn_listed`); an answer that starts
+        while it is read waits for it (`_listed`)."""
         client = self._require()
+        self._listing = listing = asyncio.get_running_loop().create_future()
         try:
             with model_errors("model", self.host):
                 try:
                     async with asyncio.timeout(PROBE_SECONDS):
-                        await client.get("/models", cast_to=httpx2.Response)
+                        listed = await client.get("/models", cast_to=httpx2.Response)
+                        self._learn_listed(await listed.aread())
                 except openai.APIStatusError as exc:  # it answered: only a key refused counts
                     if exc.status_code not in (401, 403):
                         return None
                     raise
         except (ModelError, StreamError) as exc:
             return exc.message
+        finally:
+            if not listing.done():
+                listing.set_result(None)
         return None
 
     async def aclose(self) -> None:

@@ -48,6 +48,8 @@ Non-streamed completions (rewrite, title, suggestions, ranking) answer from
 callable reply is called with the prompt. `slow_replies` (substring → seconds)
 delays the answer to such a prompt; one whose client goes meanwhile is kept in
 `replies_closed` (its substring).
+`listed` models are served at `GET /v1/models` (404 while there are none, as
+servers without the route answer).
 Everything asked is kept in `requests`; every stream's end in `streams`
 ("completed", "client_closed", "broken").
 """
@@ -112,6 +114,7 @@ class FakeModel:
     tool_whole_error: int | None = None
     drops_system: bool = False
     refused_parameters: dict[str, int] = field(default_factory=dict)
+    listed: list[dict[str, Any]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -132,12 +135,14 @@ class FakeModel:
         self.tool_stream_empty = self.drops_system = False
         self.tool_stream_error = self.tool_whole_error = None
         self.refused_parameters.clear()
+        self.listed.clear()
 
     def app(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
             ]
         )
 
@@ -237,6 +242,11 @@ class FakeModel:
         return StreamingResponse(
             self._stream(script, record, usage), media_type="text/event-stream"
         )
+
+    async def models(self, request: Request) -> Response:
+        if not self.listed:
+            return _error(404, "Not Found")
+        return JSONResponse({"object": "list", "data": self.listed})
 
     def tool_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r.get("tools")]
