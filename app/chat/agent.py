@@ -12,7 +12,8 @@ held in one registry (`tools.Tools`) — and the calls it made, run concurrently
 loop ends at `done`, at the budget, or when a round brings nothing. Models without tool calling (a 400 naming tools, or no call
 where one was required) get the same loop through a JSON-in-text planner prompt; the
 verdict is kept per model for the process. Every model call has a deadline
-(`research.round_seconds`, and what is left of the budget); a loop that found nothing
+(`research.round_seconds`, and what is left of the budget; a planner asked after a
+failed tool call gets a round of its own); a loop that found nothing
 falls back to one plain search, so an answer never waits on a planner that cannot
 plan. Pasted URLs are read first and always kept first. The model's calls stay within
 what the request allows: only the tools offered run, a `site` narrows the mode's
