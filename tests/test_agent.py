@@ -772,16 +772,30 @@ async def test_excluded_domains_are_never_read(settings, fake_model, fake_search
 # -- deadlines -----------------------------------------------------------------------------
 
 
-async def test_the_json_planner_gets_what_is_left_of_the_round(settings, fake_model, fake_search):
+async def test_the_json_planner_gets_a_round_of_its_own(settings, fake_model, fake_search):
     decided(fake_model)
     fake_model.tools_refused = True
-    fake_model.tool_delay = 2.5  # the refusal comes late
-    fake_model.slow_replies[PLAN_JSON] = 30
-    started = time.monotonic()
+    fake_model.tool_delay = 2.5  # the refusal comes late: half a second is left of the round
+    plans = iter(['{"calls": [{"tool": "web_search", "args": {"query": "json plan"}}]}'])
+    fake_model.replies.insert(0, (PLAN_JSON, lambda _p: next(plans, '{"done": true}')))
+    fake_model.slow_replies[PLAN_JSON] = 1.5
     events = await ask(settings, web(), research={"round_seconds": 3.0})
-    assert time.monotonic() - started < 4.5
+    assert events[-1].data["status"] == "completed"
+    assert ("tavily", "json plan") in fake_search.queries
+
+
+async def test_a_planner_past_its_deadline_says_which_one(
+    settings, fake_model, fake_search, caplog
+):
+    decided(fake_model)
+    fake_model.tools_refused = True
+    fake_model.slow_replies[PLAN_JSON] = 30
+    with caplog.at_level("INFO", logger="app.research"):
+        events = await ask(settings, web(), research={"round_seconds": 1.0})
     assert events[-1].data["status"] == "completed"
     assert [q for _, q in fake_search.queries] == [RELEVANT_QUESTION]  # the plain fallback
+    assert "no plan within research.round_seconds (1 s)" in caplog.text
+    await wait_for(_async(lambda: PLAN_JSON in fake_model.replies_closed))
 
 
 async def test_the_small_models_pick_does_not_outlast_the_budget(settings, fake_model, fake_search):

@@ -12,7 +12,8 @@ held in one registry (`tools.Tools`) — and the calls it made, run concurrently
 loop ends at `done`, at the budget, or when a round brings nothing. Models without tool calling (a 400 naming tools, or no call
 where one was required) get the same loop through a JSON-in-text planner prompt; the
 verdict is kept per model for the process. Every model call has a deadline
-(`research.round_seconds`, and what is left of the budget); a loop that found nothing
+(`research.round_seconds`, and what is left of the budget; a planner asked after a
+failed tool call gets a round of its own); a loop that found nothing
 falls back to one plain search, so an answer never waits on a planner that cannot
 plan. Pasted URLs are read first and always kept first. The model's calls stay within
 what the request allows: only the tools offered run, a `site` narrows the mode's
@@ -256,11 +257,14 @@ class Researcher:
                     return list(turn.calls)
                 log.info("model %s made no tool call where one was required: JSON", model)
                 self.no_tools.add(model)
-        return await self._plan_in_json(job, tools, n, budget, ends)
+        return await self._plan_in_json(job, tools, n, budget)
 
     async def _plan_in_json(
-        self, job: Research, tools: list[dict[str, Any]], n: int, budget: Budget, ends: float
+        self, job: Research, tools: list[dict[str, Any]], n: int, budget: Budget
     ) -> list[ToolCall] | None:
+        """The round's calls from a JSON plan in text. The planner has a round's time of
+        its own (`research.round_seconds`, within the research's budget), not what a
+        failed tool call left of the round; None when it gave no plan in time."""
         described = "\n".join(
             f"- {t['function']['name']}"
             f"({', '.join(t['function']['parameters']['properties'])}): "
@@ -280,13 +284,24 @@ class Researcher:
             question=job.question,
             found=found or "(nothing yet)",
         )
+        loop = asyncio.get_running_loop()
+        round_ends = loop.time() + self.settings.research.round_seconds
+        ends = min(round_ends, job.deadline)
         try:
             async with asyncio.timeout_at(ends):
                 text = await self.llm.complete(
                     [{"role": "user", "content": prompt}], max_tokens=PLAN_TOKENS
                 )
-        except (AppError, TimeoutError) as exc:
-            log.info("planning round %d failed: %s", n, getattr(exc, "message", "timeout"))
+        except AppError as exc:
+            log.info("planning round %d failed: %s", n, exc.message)
+            return None
+        except TimeoutError:
+            passed = (
+                f"research.round_seconds ({self.settings.research.round_seconds:g} s)"
+                if round_ends <= job.deadline
+                else f"the research's budget ({budget.seconds:g} s)"
+            )
+            log.info("planning round %d failed: no plan within %s", n, passed)
             return None
         return parse_plan(text, {t["function"]["name"] for t in tools})
 

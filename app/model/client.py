@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
-from typing import Any, Protocol, cast
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -29,12 +30,22 @@ from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
 from .errors import (
     ContextTooLong,
+    NoToolTurn,
     ToolsUnsupported,
+    cannot_stream_tools,
     model_errors,
     refuses_tools,
     retry_after,
     stalled,
     status_detail,
+)
+from .quirks import (
+    SYSTEM_PROMPT_PLACES,
+    instructions_estimate,
+    instructions_uncounted,
+    refused_parameter,
+    with_instructions_in_user,
+    without_refused,
 )
 from .tokens import OPEN_LEFT_OUT, REASONING, REASONING_TOKENS
 from .upstream import Redirected, StreamedResponse, StreamingClient, usable_for
@@ -103,6 +114,10 @@ class ChatModel(Protocol):
 
 
 PROBE_SECONDS = 10.0
+#: how long a first answer waits for the model list `probe` is reading
+LIST_SECONDS = 2.0
+
+T = TypeVar("T")
 
 
 class LLMClient:
@@ -115,6 +130,20 @@ class LLMClient:
         self.open_left_out: set[str] = set()
         #: models seen to reason (for this process): their short calls get room for it
         self.reasoners: set[str] = set()
+        if settings.system_prompt not in SYSTEM_PROMPT_PLACES:
+            raise ConfigError(
+                f"llm.system_prompt must be one of {', '.join(SYSTEM_PROMPT_PLACES)},"
+                f" not {settings.system_prompt!r}"
+            )
+        #: the parameters each model's server was seen to refuse: never sent to it again
+        self.refused: dict[str, set[str]] = {}
+        #: models whose server cannot stream tool calls: their tool rounds are not streamed
+        self.unstreamed_tools: set[str] = set()
+        #: models whose prompt count was looked at for a dropped system prompt
+        self.counted: set[str] = set()
+        self.warned_uncounted: set[str] = set()
+        #: the model list being read by `probe` (an answer that starts meanwhile waits)
+        self._listing: asyncio.Future[None] | None = None
         self._client: openai.AsyncOpenAI | None = None
         self._streaming: StreamingClient | None = None
         if settings.api_key:
@@ -155,8 +184,11 @@ class LLMClient:
         """
         client = self._require()
         name = model or self.settings.model
+        if self._listing is not None and not self._listing.done():
+            await self._listed()
         out: list[Delta] = []
-        decoder = AnswerDecoder(out.append, self._splitter(name))
+        watched = self._watch_count(name, messages, out.append)
+        decoder = AnswerDecoder(watched, self._splitter(name))
         with model_errors("model", self.host):
             async with self._open_stream(client, self._answer_body(messages, name)) as response:
                 chunks = body_reader(response)
@@ -198,7 +230,9 @@ class LLMClient:
         upstream response, as closing `stream` does."""
         client = self._require()
         name = model or self.settings.model
-        decoder = AnswerDecoder(sink, self._splitter(name))
+        if self._listing is not None and not self._listing.done():
+            await self._listed()
+        decoder = AnswerDecoder(self._watch_count(name, messages, sink), self._splitter(name))
         await self._read(client, self._answer_body(messages, name), decoder)
         for delta in decoder.end():
             sink(delta)
@@ -221,6 +255,31 @@ class LLMClient:
                                 break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
+
+    async def _listed(self) -> None:
+        """Wait for the model list `probe` is reading, at most `LIST_SECONDS` (a
+        first answer that starts with the server)."""
+        if self._listing is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LIST_SECONDS):
+                    await asyncio.shield(self._listing)
+
+    def _learn_listed(self, body: bytes) -> None:
+        """What the model list says of each model: one served under a name that says
+        nothing (an alias) may be listed with what it is (vLLM's `root`, a `parent`);
+        the name rules apply to that too, so a template that leaves the opening
+        `<think>` out is split from its first answer. A list that cannot be read
+        teaches nothing."""
+        try:
+            models = orjson.loads(body).get("data")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        for entry in models if isinstance(models, list) else ():
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                continue
+            said = [entry.get(key) for key in ("id", "root", "parent")]
+            if any(isinstance(what, str) and OPEN_LEFT_OUT.search(what) for what in said):
+                self.open_left_out.add(entry["id"])
 
     def _splitter(self, name: str) -> ThinkSplitter:
         return ThinkSplitter(
@@ -260,18 +319,13 @@ class LLMClient:
     async def _open_stream(
         self, client: openai.AsyncOpenAI, body: dict[str, Any]
     ) -> AsyncIterator[Any]:
-        """The streamed response to `body`, opened; a 429 is retried once (after its
-        Retry-After, at most `RETRY_AFTER_CAP` seconds) — only here, before the first
-        token."""
+        """The streamed response to `body`, opened (shaped for its model by `_send`); a
+        429 is retried once (after its Retry-After, at most `RETRY_AFTER_CAP` seconds) —
+        only here, before the first token."""
+        post = functools.partial(self._post_streamed, client)
         for attempt in range(2):
             try:
-                response: StreamedResponse | httpx2.Response
-                try:
-                    if self._streaming is None:
-                        raise Redirected
-                    response = await self._streaming.post("/chat/completions", orjson.dumps(body))
-                except Redirected:  # a redirect is the SDK's to follow, as before
-                    response = await _post_chat(client, body, stream=True)
+                response = await self._send(body["model"], body, post)
                 try:
                     yield response
                 finally:
@@ -281,6 +335,72 @@ class LLMClient:
                 if attempt:
                     raise
                 await asyncio.sleep(retry_after(exc))
+
+    async def _post_streamed(
+        self, client: openai.AsyncOpenAI, body: dict[str, Any]
+    ) -> StreamedResponse | httpx2.Response:
+        try:
+            if self._streaming is None:
+                raise Redirected
+            return await self._streaming.post("/chat/completions", orjson.dumps(body))
+        except Redirected:  # a redirect is the SDK's to follow, as before
+            return await _post_chat(client, body, stream=True)
+
+    async def _send(
+        self, name: str, body: dict[str, Any], post: Callable[[dict[str, Any]], Awaitable[T]]
+    ) -> T:
+        """`post(body)`, `body` shaped for the model `name`: its instructions where
+        `llm.system_prompt` puts them, without the parameters its server was seen to
+        refuse. A request refused for a parameter (`quirks.refused_parameter`) is sent
+        once more without it, and the parameter is never sent to that model again.
+        Raises what `post` raises."""
+        if self.settings.system_prompt == "user":
+            body = {**body, "messages": with_instructions_in_user(body["messages"])}
+        refused = self.refused.get(name, set())
+        shaped = without_refused(body, refused) if refused else body
+        try:
+            return await post(shaped)
+        except openai.APIStatusError as exc:
+            parameter = refused_parameter(exc.status_code, status_detail(exc), shaped)
+            if parameter is None:
+                raise
+            log.warning(
+                "model %s refused the parameter %s: it is not sent to it again", name, parameter
+            )
+            refused = self.refused.setdefault(name, set())
+            refused.add(parameter)
+        return await post(without_refused(body, refused))
+
+    def _watch_count(
+        self, name: str, messages: Sequence[Message], sink: Callable[[Delta], None]
+    ) -> Callable[[Delta], None]:
+        """`sink`, behind a look at the answer's `usage` on a model's first answer that
+        has instructions (`_check_count`); after it, `sink` as it is."""
+        if name in self.counted or self.settings.system_prompt != "system":
+            return sink
+        estimate = instructions_estimate(messages)
+        if not estimate:
+            return sink
+        self.counted.add(name)
+
+        def watched(delta: Delta) -> None:
+            if delta.kind == "usage":
+                self._check_count(name, delta.usage, estimate)
+            sink(delta)
+
+        return watched
+
+    def _check_count(self, name: str, usage: dict[str, Any] | None, estimate: int) -> None:
+        """Warn, once per model, when a response's `usage` shows its instructions were
+        not counted: the server's chat template drops system messages."""
+        if name in self.warned_uncounted or not instructions_uncounted(usage, estimate):
+            return
+        self.warned_uncounted.add(name)
+        log.warning(
+            "model %s was given a system prompt its server did not count: its chat template"
+            ' drops system messages; set llm.system_prompt = "user" (LLM_SYSTEM_PROMPT=user)',
+            name,
+        )
 
     async def complete(
         self,
@@ -307,13 +427,16 @@ class LLMClient:
             body["max_tokens"] = max_tokens + extra
         parts: list[str] = []
         apart = False
+        usage: dict[str, Any] | None = None
 
         def take(delta: Delta) -> None:
-            nonlocal apart
+            nonlocal apart, usage
             if delta.kind == "content":
                 parts.append(delta.text)
             elif delta.kind == "reasoning":
                 apart = True
+            elif delta.kind == "usage":
+                usage = delta.usage
 
         decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):
@@ -322,6 +445,8 @@ class LLMClient:
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
         self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
+        if self.settings.system_prompt == "system" and usage is not None:
+            self._check_count(name, usage, instructions_estimate(messages))
         return content.strip()
 
     async def tool_turn(
@@ -333,7 +458,11 @@ class LLMClient:
     ) -> ToolTurn:
         """Streamed, so that a cancel closes the request at once and a proxy that cuts
         quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
-        `index`, several calls in one answer) are put together as they come."""
+        `index`, several calls in one answer) are put together as they come. A server
+        that cannot stream tool calls (an empty answer, a 5xx, a refusal that names
+        streaming) is asked once more without streaming, and so from then on for that
+        model; when that fails too, or when a refusal names the tools themselves,
+        `ToolsUnsupported`."""
         client = self._require()
         name = model or self.settings.model
         body = {
@@ -341,23 +470,28 @@ class LLMClient:
             "messages": list(messages),
             "tools": list(tools),
             "tool_choice": "auto",
-            "stream": True,
         }
-        content: list[str] = []
-        calls: dict[int, list[str]] = {}  # index → [id, name, arguments]
         try:
-            with model_errors("model", self.host):
-                response = await _post_chat(client, body, stream=True)
+            if name not in self.unstreamed_tools:
                 try:
-                    buffer = b""
-                    async for data in body_reader(response):
-                        buffer += data
-                        *lines, buffer = buffer.split(b"\n")
-                        for line in lines:
-                            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-                                tool_delta(line[5:].strip(), content, calls)
-                finally:
-                    await response.aclose()
+                    with model_errors("model", self.host):
+                        content, calls = await self._streamed_tool_turn(client, name, body)
+                except StreamError as exc:
+                    if not cannot_stream_tools(exc):
+                        raise
+                    log.info(
+                        "model %s cannot stream tool calls: its tool rounds are not streamed",
+                        name,
+                    )
+                    self.unstreamed_tools.add(name)
+            if name in self.unstreamed_tools:
+                try:
+                    with model_errors("model", self.host):
+                        content, calls = await self._whole_tool_turn(client, name, body)
+                except StreamError as exc:
+                    if cannot_stream_tools(exc):  # nor answer them whole
+                        raise ToolsUnsupported("the model does not take tools") from exc
+                    raise
         except StreamError as exc:
             cause = exc.__cause__
             if (
@@ -377,21 +511,88 @@ class LLMClient:
             made.append(ToolCall(call_id, function, arguments))
         return ToolTurn(text.strip(), tuple(made))
 
+    async def _streamed_tool_turn(
+        self, client: openai.AsyncOpenAI, name: str, body: dict[str, Any]
+    ) -> tuple[list[str], dict[int, list[str]]]:
+        """The text and calls (index → [id, name, arguments]) of a streamed tool turn,
+        read as the answer's stream is (a connection its server closed after an empty
+        answer is not taken again for the next request); `NoToolTurn` when the stream
+        held no chunk at all."""
+        post = functools.partial(self._post_streamed, client)
+        response = await self._send(name, {**body, "stream": True}, post)
+        content: list[str] = []
+        calls: dict[int, list[str]] = {}
+        received = False
+        try:
+            buffer = b""
+            async for data in body_reader(response):
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        received = True
+                        if line[5:].strip() != b"[DONE]":
+                            tool_delta(line[5:].strip(), content, calls)
+        finally:
+            await response.aclose()
+        if not received:
+            raise NoToolTurn("the model sent an empty answer to a request with tools")
+        return content, calls
+
+    async def _whole_tool_turn(
+        self, client: openai.AsyncOpenAI, name: str, body: dict[str, Any]
+    ) -> tuple[list[str], dict[int, list[str]]]:
+        """The text and calls of a tool turn asked for without streaming; `NoToolTurn`
+        when the answer holds no message."""
+        post = functools.partial(_post_chat, client, stream=False)
+        response = await self._send(name, body, post)
+        try:
+            raw = await response.aread()
+        finally:
+            await response.aclose()
+        try:
+            answer = orjson.loads(raw)
+            message = answer["choices"][0]["message"]
+            calls = {
+                i: [
+                    str(call.get("id") or ""),
+                    str(call["function"].get("name") or ""),
+                    call["function"].get("arguments") or "",
+                ]
+                for i, call in enumerate(message.get("tool_calls") or ())
+            }
+            content = [message.get("content") or ""]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise NoToolTurn("the model's answer to a request with tools has no message") from exc
+        if self.settings.system_prompt == "system":
+            self._check_count(name, answer.get("usage"), instructions_estimate(body["messages"]))
+        for i, parts in calls.items():
+            if not isinstance(parts[2], str):  # arguments sent as an object, not as JSON text
+                calls[i][2] = orjson.dumps(parts[2]).decode()
+        return content, calls
+
     async def probe(self) -> str | None:
         """Ask the model server for its models (`GET /models`): any answer but a
-        refused key means it can be reached (some servers have no such route)."""
+        refused key means it can be reached (some servers have no such route). What
+        the list says of a model is learned (`_learn_listed`); an answer that starts
+        while it is read waits for it (`_listed`)."""
         client = self._require()
+        self._listing = listing = asyncio.get_running_loop().create_future()
         try:
             with model_errors("model", self.host):
                 try:
                     async with asyncio.timeout(PROBE_SECONDS):
-                        await client.get("/models", cast_to=httpx2.Response)
+                        listed = await client.get("/models", cast_to=httpx2.Response)
+                        self._learn_listed(await listed.aread())
                 except openai.APIStatusError as exc:  # it answered: only a key refused counts
                     if exc.status_code not in (401, 403):
                         return None
                     raise
         except (ModelError, StreamError) as exc:
             return exc.message
+        finally:
+            if not listing.done():
+                listing.set_result(None)
         return None
 
     async def aclose(self) -> None:

@@ -1,9 +1,10 @@
 """What goes wrong talking to the model, mapped to the server's errors at the
 boundary (`model_errors`): `ModelError` (CHAT_ERROR) when the model cannot be
 reached, `StreamError` (STREAM_ERROR) when it answers non-2xx or badly; of those,
-`ContextTooLong` (a request longer than its window) and `ToolsUnsupported` (a
-request refused for its `tools`). What a model's error text says is read here
-(`refuses_tools`, `context_exceeded`) and kept out of the log (`redact`).
+`ContextTooLong` (a request longer than its window), `ToolsUnsupported` (a
+request refused for its `tools`) and `NoToolTurn` (one answered with nothing).
+What a model's error text says is read here (`refuses_tools`, `context_exceeded`,
+`cannot_stream_tools`) and kept out of the log (`redact`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class ContextTooLong(StreamError):
     def __init__(self, message: str, window: int | None = None) -> None:
         super().__init__(message)
         self.window = window
+
+
+class NoToolTurn(StreamError):
+    """A request with tools was answered with nothing to read (an empty 200)."""
 
 
 RETRY_AFTER_CAP = 10.0
@@ -79,6 +84,24 @@ def refuses_tools(status: int, detail: str) -> bool:
     if context_exceeded(detail) or _NOT_ABOUT_TOOLS.search(detail):
         return False
     return bool(_NO_TOOLS.search(detail))
+
+
+#: how a refusal names streaming ("stream", "streaming")
+_STREAMING = re.compile(r"(?i)(?<![\w.])stream(?:ing|ed)?(?!\w)")
+
+
+def cannot_stream_tools(exc: StreamError) -> bool:
+    """Whether a streamed tool turn's failure says that its server cannot answer it
+    streamed: nothing came (`NoToolTurn`), it failed (5xx), or its refusal names
+    streaming. A request too long for the window says nothing of the kind."""
+    if isinstance(exc, NoToolTurn):
+        return True
+    cause = exc.__cause__
+    if isinstance(exc, ContextTooLong) or not isinstance(cause, openai.APIStatusError):
+        return False
+    if cause.status_code >= 500:
+        return True
+    return cause.status_code in (400, 422) and bool(_STREAMING.search(status_detail(cause)))
 
 
 def context_exceeded(detail: str) -> bool:

@@ -192,10 +192,18 @@ class ThinkSplitter:
     Without it, nothing is held back — a chunk costs what it did — so the reasoning
     before a lone `</think>` has already gone out as text when the tag comes: the tag
     is taken out of the text and reported (`lone_close`), and the caller remembers the
-    model so that its next answers are split from their start. (Holding back every
-    answer's text until it is known to be no reasoning would hold back whole answers
-    of every model that never reasons.) A model that sends its reasoning apart
-    (`reasoning_content`) is not assumed anything of (`reasoning_apart`)."""
+    model so that its next answers are split from their start. A model's format is
+    learned before its first answer where it can be: by its name, and by what the
+    server's model list (read once at start) says it is — an alias listed with a
+    `root` such as DeepSeek-R1-Distill-… is split from its first answer. That costs
+    the first token nothing (an answer that starts while the list is still being read
+    waits for it, at most `client.LIST_SECONDS`). Holding back every first answer's
+    text until it is known to be no reasoning was not chosen: it would delay the
+    first token of every model that never reasons, by as much reasoning as it means
+    to catch (hundreds of tokens), and a plain model's answer may be all it holds. A
+    model that sends its reasoning apart (`reasoning_content`) is not assumed
+    anything of (`reasoning_apart`). Once a splitter is made, a chunk costs what it
+    did: nothing is looked at per token but the `<` it may hold."""
 
     OPEN, CLOSE = "<think>", "</think>"
 

@@ -29,7 +29,10 @@ list of (name, arguments) calls (several: parallel calls); when none are left, a
 `done` call. `tools_refused` answers such requests 400 ("tools is not supported"),
 `tools_ignored` with text and no call; `tool_delay` waits before answering (or
 refusing); `tool_error` answers them 400 with that text; `tool_ids_empty` sends calls
-without ids. A request whose `tool` messages do not answer a call of an earlier
+without ids. A tool request with `"stream": false` is answered with the round's calls
+in one `chat.completion`; `tool_stream_empty` answers streamed ones with an empty 200
+(as llama.cpp's server does for a format that cannot stream calls), `tool_stream_error`
+with that status, and `tool_whole_error` the non-streamed ones. A request whose `tool` messages do not answer a call of an earlier
 assistant message by its id is refused 400, as OpenAI refuses it.
 `context_limit` (characters) answers any request whose messages are longer with
 OpenAI's 400 "maximum context length"; `context_tokens` does the same counting
@@ -40,6 +43,9 @@ instead, as llama.cpp's server answers it.
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
 (reasoning ones counted in `completion_tokens_details.reasoning_tokens`).
+`drops_system` leaves the system messages out of that count, as a chat template that
+drops them does. `refused_parameters` (name → status) refuses any request carrying
+one of those parameters, in the words OpenAI uses for `max_tokens`.
 
 Short calls (classify, rewrite, title, suggestions, ranking, planning: streamed
 without `stream_options`, or not streamed) answer from `replies`: the first
@@ -47,6 +53,7 @@ without `stream_options`, or not streamed) answer from `replies`: the first
 with the prompt; streamed, the reply comes a word a chunk, cut at `max_tokens`
 words. `slow_replies` (substring → seconds) delays the answer to such a prompt; one
 whose client goes meanwhile is kept in `replies_closed` (its substring).
+`listed` models, when set, are what `GET /v1/models` serves instead of `models`.
 Everything asked is kept in `requests`; every stream's end in `streams`
 `GET /v1/models` lists `models`.
 ("completed", "client_closed", "broken").
@@ -111,6 +118,12 @@ class FakeModel:
     #: what `GET /v1/models` lists
     models: list[str] = field(default_factory=lambda: ["fake-chat", "fake-small"])
     overflow_empty: bool = False
+    tool_stream_empty: bool = False
+    tool_stream_error: int | None = None
+    tool_whole_error: int | None = None
+    drops_system: bool = False
+    refused_parameters: dict[str, int] = field(default_factory=dict)
+    listed: list[dict[str, Any]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -129,6 +142,10 @@ class FakeModel:
         self.overflow_empty = False
         self.slow_replies.clear()
         self.replies_closed.clear()
+        self.tool_stream_empty = self.drops_system = False
+        self.tool_stream_error = self.tool_whole_error = None
+        self.refused_parameters.clear()
+        self.listed.clear()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -177,7 +194,9 @@ class FakeModel:
     async def list_models(self, request: Request) -> Response:
         if not self._authorised(request):
             return self._refused(request)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+        data = self.listed or [
+            {"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
@@ -185,6 +204,12 @@ class FakeModel:
             return self._refused(request)
         body = orjson.loads(await request.body())
         self.requests.append(body)
+        refused = next((p for p in self.refused_parameters if p in body), None)
+        if refused is not None:
+            return _error(
+                self.refused_parameters[refused],
+                f"Unsupported parameter: '{refused}' is not supported with this model.",
+            )
         prompt = "\n".join(str(m.get("content") or "") for m in body.get("messages", []))
         over = (self.context_limit is not None and len(prompt) > self.context_limit) or (
             self.context_tokens is not None and tokens_of(prompt) > self.context_tokens
@@ -211,7 +236,7 @@ class FakeModel:
                 "preceeding message with 'tool_calls'.",
             )
         if body.get("tools"):
-            return await self._tool_answer()
+            return await self._tool_answer(streamed=bool(body.get("stream")))
         if short_call(body) and body.get("stream"):
             return StreamingResponse(
                 self._short_stream(prompt, body.get("max_tokens")), media_type="text/event-stream"
@@ -242,7 +267,10 @@ class FakeModel:
         self.streams.append(record)
         usage = None
         if (body.get("stream_options") or {}).get("include_usage") and "nousage" not in script:
-            words = sum(len(str(m.get("content", "")).split()) for m in body["messages"])
+            counted = [
+                m for m in body["messages"] if not (self.drops_system and m["role"] == "system")
+            ]
+            words = sum(len(str(m.get("content", "")).split()) for m in counted)
             usage = {"prompt_tokens": words}
         return StreamingResponse(
             self._stream(script, record, usage, body.get("max_tokens")),
@@ -252,15 +280,32 @@ class FakeModel:
     def tool_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r.get("tools")]
 
-    async def _tool_answer(self) -> Response:
+    async def _tool_answer(self, *, streamed: bool = True) -> Response:
         if self.tools_refused:
             await asyncio.sleep(self.tool_delay)
             return _error(400, "registry.ollama.ai/library/gemma3 does not support tools")
         if self.tool_error is not None:
             return _error(400, self.tool_error)
+        if streamed and self.tool_stream_empty:
+            return Response(b"", media_type="text/event-stream")
+        failed = self.tool_stream_error if streamed else self.tool_whole_error
+        if failed is not None:
+            return _error(failed, f"fake failure {failed}")
+        calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
+        if not streamed:
+            made = [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": orjson.dumps(arguments).decode()},
+                }
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            answer = _completion("")
+            answer["choices"][0]["message"] |= {"content": None, "tool_calls": made}
+            return JSONResponse(answer)
         record = StreamRecord()
         self.tool_streams.append(record)
-        calls = self.tool_rounds.pop(0) if self.tool_rounds else [("done", {})]
         return StreamingResponse(self._tool_stream(calls, record), media_type="text/event-stream")
 
     async def _tool_stream(
