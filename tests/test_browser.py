@@ -623,6 +623,13 @@ def test_web_search_not_configured_says_so_and_how_to_fix_it(open_page, fake_mod
     assert "TAVILY_API_KEY" in notice.inner_text()
 
 
+def test_no_model_key_is_said_on_the_start_page(open_page, fake_model, fake_search):
+    page = open_page(changes={"llm": {"api_key": ""}})
+    said = page.locator("#model-off")  # before any question is asked
+    said.wait_for()
+    assert "llm.api_key" in said.inner_text() or "LLM_API_KEY" in said.inner_text()
+
+
 def test_attach_a_file_and_ask_about_it(page, fake_model):
     page.set_input_files(
         "#file-input",

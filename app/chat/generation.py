@@ -13,40 +13,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-
-from ..chores import Chores
 from ..collections.service import CollectionSearch, with_collections
-from ..config import DEFAULT_PROVIDER, Settings
+from ..config import DEFAULT_PROVIDER
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
-from ..files.service import FileService
-from ..metrics import Metrics
-from ..model import ChatModel, ContextTooLong, Delta, Message, cut_to_tokens, tokens_in
-from ..prompts import Prompts
+from ..model import ContextTooLong, Delta, Message, tokens_in
 from ..protocol import ChatRequest
 from ..results import SearchResult
 from ..search.web import (
-    CONTEXT_CHARS_PER_SOURCE,
-    SNIPPET_CHARS,
-    WebSearch,
     context_chars,
     context_of,
     source_entries,
 )
-from ..store import Checkpoint, FileRecord, Saved, Store, Usage
-from ..streams import LogWriter, StreamHub
-from .agent import Researcher, context_tokens
+from ..store import Checkpoint, FileRecord, Saved, Usage
+from ..streams import LogWriter
+from .agent import context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
+from .fitting import (
+    MESSAGE_TOKENS,
+    estimate_tokens,
+    fit_event,
+    fit_history,
+    fit_sources,
+    text_chars,
+    too_long,
+    unique,
+)
 from .history import make_title, rewrite, stored_history, suggest
-from .keeper import AnswerKeeper, Progress, steps_of
+from .keeper import Progress, steps_of
 from .modes import MODES, PLAIN_PROMPT, WebSources
-from .tools import source_key
+from .services import Services
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
@@ -54,33 +54,6 @@ generation_log = logging.getLogger("app.generation")
 REWRITE_MIN_CHARS = 30
 IMAGES = 6  # images found for an answer that asks for them
 RELATED_CHARS = 300  # of each related question
-#: tokens a message costs beyond its text (its role and separators), and a source its line
-MESSAGE_TOKENS = 8
-SOURCE_LINE_TOKENS = 20
-#: a source cut shorter than this is left out (the window is full)
-MIN_SOURCE_TOKENS = 50
-
-
-@dataclass(frozen=True, slots=True)
-class Services:
-    """What a generation uses, and nothing more: the model and prompts, the sources
-    (web, research, files), where its answer goes (the store for its question's
-    sources, the keeper for the answer, the hub for the end), how to sign a sources
-    link, where background chores run, and the metrics."""
-
-    settings: Settings
-    llm: ChatModel
-    prompts: Prompts
-    search: WebSearch
-    researcher: Researcher
-    files: FileService
-    store: Store
-    keeper: AnswerKeeper
-    hub: StreamHub
-    metrics: Metrics
-    chores: Chores
-    #: the "All Sources" link of a question, for a request that came to a host
-    sources_link: Callable[[str, str], str]
 
 
 class Generation:
@@ -616,88 +589,3 @@ class Generation:
 def _log_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("ending a generation failed", exc_info=task.exception())
-
-
-def too_long(exc: ContextTooLong, sent: int) -> StreamError:
-    """The error of a prompt the model would not take, in words that name its window."""
-    window = f"its window is {exc.window} tokens" if exc.window else "its window is smaller"
-    log.info("the prompt (about %d tokens) does not fit the model's context window", sent)
-    return StreamError(
-        f"the prompt (about {sent} tokens, the question and its sources) is longer than the"
-        f" model's context window ({window}): ask a shorter question, or set"
-        " llm.context_tokens to the model's window"
-    )
-
-
-def estimate_tokens(chars: int) -> int:
-    """Tokens in so many characters of text, roughly (for a model that does not count)."""
-    return (chars + 3) // 4
-
-
-def fit_sources(
-    results: list[SearchResult], room: int, chars: int = CONTEXT_CHARS_PER_SOURCE
-) -> list[SearchResult]:
-    """The sources, in order, within `room` tokens (`tokens_in`) of context: each at
-    most `chars` characters; the one that does not fit is cut, and the rest left out
-    (a pasted page, first, stays while there is any room worth the name)."""
-    kept: list[SearchResult] = []
-    for r in results:
-        room -= SOURCE_LINE_TOKENS  # its "source N <url>" line
-        if room < MIN_SOURCE_TOKENS:
-            break
-        text = r.text[:chars]
-        cost = tokens_in(text)
-        if cost > room:
-            text = cut_to_tokens(text, room)
-            cost = tokens_in(text)
-        room -= cost
-        kept.append(r if text == r.text else replace(r, content=text))
-    return kept
-
-
-def fit_history(
-    history: list[tuple[str, str]], system: str, question: str, room: int
-) -> list[tuple[str, str]]:
-    """The latest turns that fit beside the prompt and the question, in `room` tokens."""
-    room -= tokens_in(system) + tokens_in(question) + 2 * MESSAGE_TOKENS
-    kept: list[tuple[str, str]] = []
-    for role, text in reversed(history):
-        room -= tokens_in(text) + MESSAGE_TOKENS
-        if room < 0:
-            break
-        kept.append((role, text))
-    return kept[::-1]
-
-
-def unique(results: list[SearchResult]) -> list[SearchResult]:
-    """The sources without repeats (`source_key`), the first of each kept."""
-    seen: set[str] = set()
-    out = []
-    for r in results:
-        key = source_key(r)
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out
-
-
-def text_chars(limit: int) -> int:
-    """The most characters of text one event may carry within `limit` bytes: at most
-    six bytes a character in JSON, and half the limit left for what is around it (an
-    OpenAI chunk repeats the sources' citations)."""
-    return max(64, (limit // 2 - 1024) // 6)
-
-
-def fit_event(entries: list[dict[str, object]], limit: int) -> list[dict[str, object]]:
-    """Sources whose event stays under `limit` bytes: passages shortened, then the last
-    sources left out (the answer's context is not affected: only what is sent)."""
-    budget = limit - 2048  # the event's other fields and the "All Sources" entry
-    size = len(orjson.dumps(entries))
-    if size <= budget:
-        return entries
-    cut = [
-        {**e, "pageContent": str(e.get("pageContent", ""))[: SNIPPET_CHARS // 2]} for e in entries
-    ]
-    while cut and len(orjson.dumps(cut)) > budget:
-        cut.pop()
-    return cut

@@ -43,9 +43,10 @@ from ..search.web import WebSearch
 from ..store import Chat, FileRecord, Store, StoredMessage, Usage
 from ..streams import LogWriter, StreamHub
 from .agent import Researcher
-from .generation import Generation, Services
+from .generation import Generation
 from .history import TITLE_MAX_CHARS, stored_history, suggest
 from .keeper import AnswerKeeper
+from .services import Services
 
 log = logging.getLogger("app.chat")
 

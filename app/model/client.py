@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -28,6 +28,7 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
+from .base import ChatModel as ChatModel
 from .errors import (
     ContextTooLong,
     NoToolTurn,
@@ -48,7 +49,7 @@ from .quirks import (
     without_refused,
 )
 from .tokens import OPEN_LEFT_OUT, REASONING, REASONING_TOKENS
-from .upstream import Redirected, StreamedResponse, StreamingClient, usable_for
+from .upstream import Redirected, StreamedResponse, StreamingClient, streaming_client, usable_for
 from .wire import (
     AnswerDecoder,
     Delta,
@@ -62,55 +63,6 @@ from .wire import (
 )
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
-
-
-class ChatModel(Protocol):
-    """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
-    model (`app.model.demo`), chosen by `llm.base_url` (`open_model`)."""
-
-    @property
-    def configured(self) -> bool: ...
-
-    def stream(
-        self, messages: Sequence[Message], *, model: str | None = None
-    ) -> AsyncIterator[Delta]: ...
-
-    async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
-    ) -> None:
-        """What `stream` yields, handed to `sink` as it comes; returns at the end."""
-        ...
-
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str: ...
-
-    async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
-    ) -> ToolTurn:
-        """One streamed request with `tools` (OpenAI's format), read to its end: the
-        text and the calls. `ToolsUnsupported` when the request is refused for its tools."""
-        ...
-
-    async def probe(self) -> str | None:
-        """Why the model cannot be used at all (not reachable, its key refused), in
-        words for a person; None when it answers."""
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 PROBE_SECONDS = 10.0
@@ -600,25 +552,6 @@ class LLMClient:
             await self._streaming.aclose()
         if self._client is not None:
             await self._client.close()
-
-
-def streaming_client(client: openai.AsyncOpenAI, settings: LLMSettings) -> StreamingClient:
-    """The reader of the answer's stream, with the SDK's headers (its auth included),
-    its errors, its TLS context and the model's timeouts."""
-    headers = {
-        name: value
-        for name, value in {**client.default_headers, **client.auth_headers}.items()
-        if isinstance(value, str)
-    }
-    return StreamingClient(
-        settings.base_url,
-        headers=headers,
-        make_status_error=client._make_status_error_from_response,
-        connect_timeout=settings.connect_timeout_seconds,
-        read_timeout=settings.read_timeout_seconds,
-        pool_timeout=settings.timeout_seconds,
-        ssl_context=httpx2.create_ssl_context(trust_env=True),
-    )
 
 
 async def _post_chat(

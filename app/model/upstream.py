@@ -44,6 +44,8 @@ import httptools
 import httpx2
 import openai
 
+from ..config import LLMSettings
+
 #: a connection stops reading past this many unread bytes (the reader catches up)
 HIGH_WATER = 1 << 16
 #: requests that may be waiting for a connection or reading a response at once
@@ -575,3 +577,22 @@ def usable_for(client: openai.AsyncOpenAI, base_url: str) -> bool:
         return bool(pick(httpx2.URL(base_url)) is http._transport)
     except (AttributeError, httpx2.InvalidURL):
         return False
+
+
+def streaming_client(client: openai.AsyncOpenAI, settings: LLMSettings) -> StreamingClient:
+    """The reader of the answer's stream, with the SDK's headers (its auth included),
+    its errors, its TLS context and the model's timeouts."""
+    headers = {
+        name: value
+        for name, value in {**client.default_headers, **client.auth_headers}.items()
+        if isinstance(value, str)
+    }
+    return StreamingClient(
+        settings.base_url,
+        headers=headers,
+        make_status_error=client._make_status_error_from_response,
+        connect_timeout=settings.connect_timeout_seconds,
+        read_timeout=settings.read_timeout_seconds,
+        pool_timeout=settings.timeout_seconds,
+        ssl_context=httpx2.create_ssl_context(trust_env=True),
+    )

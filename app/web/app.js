@@ -867,6 +867,11 @@ async function loadConfig() {
   auth.required = Boolean(state.config.authRequired);
   site.searchProvider = state.config.searchProvider || "";
   $("#demo-notice").hidden = !state.config.demo;
+  const modelProblem = state.config.demo ? null : state.config.modelProblem;
+  $("#model-off").hidden = !modelProblem;
+  $("#model-off").textContent = modelProblem
+    ? `Questions cannot be answered on this server yet: ${sentence(modelProblem)}`
+    : "";
   const problem = state.config.demo ? null : state.config.searchProblem;
   $("#search-off").hidden = !problem;
   $("#search-off").textContent = problem

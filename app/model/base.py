@@ -1,0 +1,59 @@
+"""What answers, whatever the provider: the one interface the chat service sees
+(`ChatModel`), which the OpenAI-compatible client, the Anthropic client and the demo
+model implement."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from .wire import Delta, Message, ToolTurn
+
+
+class ChatModel(Protocol):
+    """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
+    model (`app.model.demo`), chosen by `llm.base_url` (`open_model`)."""
+
+    @property
+    def configured(self) -> bool: ...
+
+    def stream(
+        self, messages: Sequence[Message], *, model: str | None = None
+    ) -> AsyncIterator[Delta]: ...
+
+    async def answer(
+        self,
+        messages: Sequence[Message],
+        sink: Callable[[Delta], None],
+        *,
+        model: str | None = None,
+    ) -> None:
+        """What `stream` yields, handed to `sink` as it comes; returns at the end."""
+        ...
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        timeout: float = 60.0,
+    ) -> str: ...
+
+    async def tool_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]],
+        *,
+        model: str | None = None,
+    ) -> ToolTurn:
+        """One streamed request with `tools` (OpenAI's format), read to its end: the
+        text and the calls. `ToolsUnsupported` when the request is refused for its tools."""
+        ...
+
+    async def probe(self) -> str | None:
+        """Why the model cannot be used at all (not reachable, its key refused), in
+        words for a person; None when it answers."""
+        ...
+
+    async def aclose(self) -> None: ...
