@@ -44,7 +44,13 @@ from .events import FOCUS_MODES
 from .identity.quota import Quota, next_midnight
 from .ids import parse_id
 from .ownership import authorize
-from .protocol import OPTIMIZATION_MODES, ChatRequest, parse_collections, parse_sources
+from .protocol import (
+    OPTIMIZATION_MODES,
+    ChatRequest,
+    parse_chat_model,
+    parse_collections,
+    parse_sources,
+)
 from .store.records import Chat, Schedule, ScheduleRun, StoredMessage, iso
 from .webhooks import Webhooks, check_url, new_secret
 
@@ -190,7 +196,9 @@ class ScheduleService:
             await self.chat.collections.usable(user_id, collections)
         chat_model = body.get("chatModel", old.get("chatModel"))
         if chat_model is not None and (
-            not isinstance(chat_model, dict) or len(orjson.dumps(chat_model)) > MAX_CHAT_MODEL_CHARS
+            not isinstance(chat_model, dict)
+            or len(orjson.dumps(chat_model)) > MAX_CHAT_MODEL_CHARS
+            or parse_chat_model(chat_model) == (None, None)
         ):
             raise BadRequest('chatModel must be an object such as {"provider", "model"}')
         out["options"] = {
@@ -404,8 +412,7 @@ class ScheduleService:
     def request(self, schedule: Schedule) -> ChatRequest:
         """The chat request of a run, as a transport would make it."""
         options = schedule.options
-        picked = (options.get("chatModel") or {}).get("model")
-        llm = self.chat.settings.llm
+        provider, model = parse_chat_model(options.get("chatModel"))
         return ChatRequest(
             user_id=schedule.user_id,
             content=schedule.question,
@@ -414,7 +421,8 @@ class ScheduleService:
             optimization_mode=options.get("optimizationMode", "speed"),
             sources=tuple(options.get("sources") or ()),
             collections=tuple(options.get("collections") or ()),
-            model=picked if picked in (llm.model, llm.effective_small_model) else None,
+            model=model,
+            provider=provider,
             transport="schedule",
             cap_key=f"user:{schedule.user_id}",
             host=self.chat.public_host(""),

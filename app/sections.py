@@ -428,6 +428,7 @@ class ShareSettings:
     indexable: bool = False
 
 
+@dataclass(frozen=True)
 class SchedulesSettings:
     """Scheduled research (PROTOCOL §16, `[schedules]`)."""
 

@@ -168,14 +168,14 @@ async def test_api_validates_and_only_the_owner_uses_a_schedule(
                 timezone="Europe/Berlin",
                 webhook={"url": "https://hooks.example.com/in"},
                 notify="changed",
-                chatModel={"provider": "elsewhere", "model": "not-configured-yet"},
+                chatModel={"provider": "default", "model": "fake-chat"},
             ),
         )
         assert response.status_code == 201, response.text
         made = response.json()["schedule"]
         assert re.fullmatch(r"whsec_[A-Za-z0-9+/]+=*", made["webhook"]["secret"])
         assert made["timezone"] == "Europe/Berlin" and made["enabled"] is True
-        assert made["chatModel"] == {"provider": "elsewhere", "model": "not-configured-yet"}
+        assert made["chatModel"] == {"provider": "default", "model": "fake-chat"}
         assert made["nextRunAt"].endswith(":00:00.000Z")  # 08:00 Berlin: 06:00 or 07:00 UTC
         schedule_id, chat_id = made["id"], made["chatId"]
         # the secret was shown once
@@ -639,3 +639,34 @@ async def test_store_claims_a_due_time_once_and_takes_a_run_over_once(store: Any
     assert await store.delete_user_schedules("u1") == 1
     assert await store.get_schedule("s1") is None and await store.get_run("r1") is None
     assert await store.get_chat(schedule.chat_id) is None
+
+
+async def test_a_run_is_answered_by_the_schedules_chosen_model(
+    sched_settings: Settings, fake_model: FakeModel
+) -> None:
+    """`chatModel` of a schedule picks the provider and model of every run, as a chat's does."""
+    from tests.servers import serve
+
+    second = FakeModel(api_key="second-key", models=["other-chat", "other-small"])
+    with serve(second.app()) as other:
+        chosen = sched_settings.replace(
+            providers={
+                "second": {
+                    "base_url": other.url + "/v1",
+                    "api_key": "second-key",
+                    "small_model": "other-small",
+                }
+            }
+        )
+        clock = Clock(MONDAY)
+        async with scheduler(chosen, clock) as schedules:
+            made = await schedules.create(
+                "1",
+                body(cron="* * * * *", chatModel={"provider": "second", "model": "other-chat"}),
+            )
+            clock.now = MONDAY + 65
+            assert len(await tick(schedules)) == 1
+            (run,) = await schedules.runs("1", made.id)
+            assert run.status == "completed"
+    assert [r["model"] for r in second.streamed_requests()] == ["other-chat"]
+    assert fake_model.streamed_requests() == []
