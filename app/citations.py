@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
+
 #: a `[N]` citation marker in an answer
 MARKER = re.compile(r"\[(\d{1,3})\]")
 
@@ -44,3 +46,40 @@ def web_sources(sources: list[dict[str, Any]]) -> list[str]:
         ):
             urls.append(url)
     return urls
+
+
+def real_sources(sources: list[Any]) -> list[dict[str, Any]]:
+    """The sources of a `sources` event but the "All Sources" link (not a source)."""
+    return [s for s in sources if s.get("metadata", {}).get("title") != "All Sources"]
+
+
+def perplexity_sources(sources: list[Any]) -> dict[str, Any]:
+    """`citations` (URLs in order, so `[N]` is `citations[N-1]`) and `search_results`
+    (`date` and `last_updated` when the provider said), as Perplexity's API returns
+    them."""
+    real = real_sources(sources)
+    results = []
+    for s in real:
+        meta = s.get("metadata", {})
+        result = {"title": meta.get("title", ""), "url": meta.get("url", "")}
+        result["snippet"] = s.get("pageContent", "")
+        if meta.get("date"):
+            result["date"] = meta["date"][:10]
+        if meta.get("lastUpdated") or meta.get("date"):
+            result["last_updated"] = (meta.get("lastUpdated") or meta["date"])[:10]
+        results.append(result)
+    return {
+        "citations": [s.get("metadata", {}).get("url", "") for s in real],
+        "search_results": results,
+    }
+
+
+def fit_sources(sources: dict[str, Any], room: int) -> dict[str, Any]:
+    """`citations` and `search_results` within `room` bytes: the snippets shortened,
+    then the last sources left out (of both lists, so `[N]` still names the N-th)."""
+    results = [{**r, "snippet": str(r.get("snippet", ""))[:200]} for r in sources["search_results"]]
+    citations = list(sources["citations"])
+    while results and len(orjson.dumps({"c": citations, "s": results})) > room:
+        results.pop()
+        citations.pop()
+    return {"citations": citations, "search_results": results}

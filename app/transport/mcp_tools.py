@@ -19,6 +19,7 @@ from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
 from starlette.requests import Request
 
 from ..chat.service import ChatService
+from ..citations import real_sources
 from ..config import Settings
 from ..errors import AppError, BadRequest
 from ..events import FOCUS_MODES, Event, Handle
@@ -35,7 +36,6 @@ from ..results import SearchResult
 from .collections import passage
 from .http import client_identity, count_request, rate_key
 from .mcp_sessions import Call
-from .openai import real_sources
 
 SESSION_HEADER = "mcp-session-id"
 #: where a request's event store is in the ASGI scope (for its tool calls)

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..chat.responses import Found, ResponseRequest, Responses, response_id, search_step
 from ..chat.service import ChatService
-from ..citations import citations_in, web_sources
+from ..citations import citations_in, perplexity_sources, real_sources, web_sources
 from ..config import Settings
 from ..errors import BadRequest
 from ..events import Event, Handle
@@ -48,8 +48,6 @@ from .openai import (
     conversation,
     event_stream,
     parse_model,
-    perplexity_sources,
-    real_sources,
     searched,
     while_connected,
 )
