@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests import perplexica
-from tests.fakes.model import DEFAULT_REPLIES, FakeModel
+from tests.fakes.model import DEFAULT_REPLIES, FakeModel, short_call
 from tests.fakes.search import RESULT_COUNT, TOPICS, FakeSearch
 from tests.perplexica import (
     API_URL,
@@ -216,7 +216,7 @@ def test_related_suggestions_appear_under_an_answer(ui: UI, fake_model: FakeMode
     shown = [s for s in expected if ui.page.get_by_text(s, exact=True).count()]
     assert len(shown) >= 3, (shown, answer.value.text())
     # the suggestions were made from this chat's question
-    asked = [r for r in fake_model.requests if not r.get("stream") and "messages" in r]
+    asked = [r for r in fake_model.requests if short_call(r)]
     assert any(
         question in json.dumps(r["messages"]) and "Follow-up questions" in json.dumps(r)
         for r in asked
