@@ -200,7 +200,7 @@ async def test_without_providers_a_model_the_default_lacks_is_refused(settings, 
 
 async def test_regenerate_with_another_model(client, fake_model, second):
     first = await sse_chat(client, chat_body("hi", chatId="c1", messageId="q1"))
-    assert "chatModel" not in first[-1].data
+    assert first[-1].data["chatModel"] == {"provider": "default", "model": "fake-chat"}
     assert fake_model.streamed_requests()[-1]["model"] == "fake-chat"
     again = await sse_chat(client, chat_body("hi", chatId="c1", messageId="q1", chatModel=other()))
     assert again[-1].data["chatModel"] == other()

@@ -78,6 +78,7 @@ async def test_a_plain_answer_is_numbered_events_from_empty_message_to_end(servi
                     "reasoning_tokens": 2,
                     "total_tokens": 44,
                 },
+                "chatModel": {"provider": "default", "model": "fake-chat"},
             },
         ),
     ]
@@ -148,7 +149,11 @@ async def test_cancel_mid_answer_ends_cancelled_and_keeps_the_partial_answer(ser
     usage = end.pop("usage")  # the model never said: estimated from what it sent
     assert (kind, end) == (
         "messageEnd",
-        {"status": "cancelled", "questionMessageId": handle.question_id},
+        {
+            "status": "cancelled",
+            "questionMessageId": handle.question_id,
+            "chatModel": {"provider": "default", "model": "fake-chat"},
+        },
     )
     assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 0
     assert (await fake_model.wait_stream_end()).outcome == "client_closed"
@@ -162,7 +167,15 @@ async def test_a_cancel_before_the_body_starts_ends_at_once(service, fake_model)
     handle = await service.start(ask("never asked", chat_id="500", message_id="501"))
     await service.cancel("500", "1")
     assert await record(service, handle) == [
-        (1, "messageEnd", {"status": "cancelled", "questionMessageId": "501"})
+        (
+            1,
+            "messageEnd",
+            {
+                "status": "cancelled",
+                "questionMessageId": "501",
+                "chatModel": {"provider": "default", "model": "fake-chat"},
+            },
+        )
     ]
     assert fake_model.streamed_requests() == []
     _chat, messages, _files = await service.open_chat("500", "1")

@@ -523,11 +523,10 @@ class Generation:
             )
 
     def _chat_model(self) -> dict[str, Any]:
-        """`messageEnd`'s `chatModel`, when the request chose one (PROTOCOL §13)."""
+        """`messageEnd`'s `chatModel`: the model that answered (PROTOCOL §13)."""
         req = self.request
-        if req.provider is None:
-            return {}
-        return {"chatModel": {"provider": req.provider, "model": req.model}}
+        model = req.model or self.services.settings.llm.model
+        return {"chatModel": {"provider": req.provider or DEFAULT_PROVIDER, "model": model}}
 
     def _usage(self) -> Usage | None:
         """What the answer cost: the model's own count, else an estimate (about four
