@@ -62,6 +62,9 @@ from .sections import (
     LLMSettings as LLMSettings,
 )
 from .sections import (
+    McpServerSettings as McpServerSettings,
+)
+from .sections import (
     McpSettings as McpSettings,
 )
 from .sections import (
@@ -223,12 +226,63 @@ def _section(cls: type[Any], raw: Any, name: str, env: Mapping[str, str]) -> dic
         if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             values[key] = kind(**_section(kind, raw.get(key, {}), where, env))
             continue
+        table = named_tables(kind)
+        if table is not None:
+            values[key] = _named(table, raw.get(key, {}), where, env)
+            continue
         env_name = where.replace(".", "_").upper()
         if env_name in env:
             values[key] = _from_env(env[env_name], kind, env_name)
         elif key in raw:
             values[key] = _coerce(raw[key], kind, where)
     return values
+
+
+def named_tables(kind: Any) -> type[Any] | None:
+    """The settings dataclass of a table of named tables (`Mapping[str, X]`, as
+    `[mcp.servers.<name>]`), else None."""
+    if typing.get_origin(kind) is not Mapping:
+        return None
+    item = typing.get_args(kind)[1]
+    return item if isinstance(item, type) and dataclasses.is_dataclass(item) else None
+
+
+#: the name of a table among named ones (`[mcp.servers.<name>]`): what a tool's name
+#: (`<name>__<tool>`) and the environment can carry
+_TABLE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,29}")
+
+
+def _named(cls: type[Any], raw: Any, name: str, env: Mapping[str, str]) -> Mapping[str, Any]:
+    """The tables `[<name>.<each>]` of one kind, each read as any section is (its keys
+    overridden by `<NAME>_<EACH>_<KEY>`). Raises `SettingsError` for a name that is not
+    lower-case letters, digits, `-` and `_` (at most 30), or holds `__`."""
+    if not isinstance(raw, dict):
+        raise SettingsError(f"[{name}] must be a table of [{name}.<name>] tables")
+    tables: dict[str, Any] = {}
+    for each, table in raw.items():
+        if not _TABLE_NAME.fullmatch(each) or "__" in each:
+            raise SettingsError(
+                f"[{name}.{each}]: a name is at most 30 lower-case letters, digits, - and _"
+                " (never __)"
+            )
+        tables[each] = cls(**_section(cls, table, f"{name}.{each.replace('-', '_')}", env))
+    return types.MappingProxyType(tables)
+
+
+def mcp_checked(mcp: McpSettings) -> McpSettings:
+    """`[mcp]` as it may be used: each server has a `url` or (with `mcp.allow_stdio`) a
+    `command`, not both; `SettingsError` otherwise (naming the server, never its URL)."""
+    for name, server in mcp.servers.items():
+        where = f"[mcp.servers.{name}]"
+        if bool(server.url) == bool(server.command):
+            raise SettingsError(f"{where} needs either url (Streamable HTTP) or command (stdio)")
+        if server.command and not mcp.allow_stdio:
+            raise SettingsError(f"{where}: command (stdio) needs mcp.allow_stdio = true")
+        if server.url and not server.url.startswith(("http://", "https://")):
+            raise SettingsError(f"{where}: url must be an http:// or https:// address")
+        if server.timeout_seconds <= 0:
+            raise SettingsError(f"{where}: timeout_seconds must be above 0")
+    return mcp
 
 
 #: a provider's id: what `/v1` model names and the environment can carry
@@ -283,6 +337,7 @@ def _derive(settings: Settings, folder: Path) -> Settings:
         store={"url": sqlite_beside(settings.store.url, folder)},
         auth={"mode": auth_mode(settings.auth)},
         collections={"url": path_beside(settings.collections.url, folder)},
+        mcp={"servers": mcp_checked(settings.mcp).servers},
     )
 
 

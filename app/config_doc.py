@@ -2,7 +2,8 @@
 
 Every section of `Settings` is a frozen dataclass; a key's meaning is the `#:`
 comment above its field, a section's is its class docstring. A field whose type
-is itself such a dataclass is a nested table (`[auth.oidc]`), rendered the same
+is itself such a dataclass is a nested table (`[auth.oidc]`), and one that maps names
+to such a dataclass a table of named tables (`[mcp.servers.<name>]`), rendered the same
 way, so a new section or key appears here with nothing else to change.
 
     python -m app.config_doc > docs/configuration.md
@@ -17,7 +18,7 @@ import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from app.config import Settings
+from app.config import Settings, named_tables
 
 COMMAND = "python -m app.config_doc > docs/configuration.md"
 
@@ -105,8 +106,11 @@ def cell(text: str) -> str:
 def sections(cls: type[Any], path: str) -> Iterator[tuple[str, type[Any]]]:
     """`(dotted name, dataclass)` of `cls`'s tables, each followed by its nested ones."""
     for name, kind in typing.get_type_hints(cls).items():
+        where = f"{path}.{name}" if path else name
+        table = named_tables(kind) if path else None  # `[providers]` has a page of its own
+        if table is not None:  # `[mcp.servers.<name>]`
+            kind, where = table, f"{where}.<name>"
         if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            where = f"{path}.{name}" if path else name
             yield where, kind
             yield from sections(kind, where)
 
@@ -121,7 +125,7 @@ def render_section(name: str, cls: type[Any]) -> str:
     lines += ["| key | type | default | environment | meaning |", "|---|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         kind = kinds[field.name]
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        if (isinstance(kind, type) and dataclasses.is_dataclass(kind)) or named_tables(kind):
             continue
         env = f"{name}.{field.name}".replace(".", "_").upper()
         lines.append(

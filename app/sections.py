@@ -392,6 +392,27 @@ class JwtSettings:
 
 
 @dataclass(frozen=True)
+class McpServerSettings:
+    """One MCP server whose tools the research agent may call (`[mcp.servers.<name>]`,
+    env `MCP_SERVERS_<NAME>_<KEY>`, PROTOCOL §14): offered as `<name>__<tool>`."""
+
+    #: its Streamable HTTP endpoint (`https://host/mcp`)
+    url: str = field(default="", repr=False)
+    #: instead of `url`: a program speaking MCP on stdin/stdout (needs mcp.allow_stdio)
+    command: str = ""
+    #: the command's arguments
+    args: tuple[str, ...] = ()
+    #: HTTP headers sent with every request (`Authorization`): never logged nor shown
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: the tools offered (empty: all it lists)
+    tools: tuple[str, ...] = ()
+    #: offered to every research; false: only to a request whose `sources` names `mcp:<name>`
+    default: bool = True
+    #: the longest one call (and the connection, and the listing) may take
+    timeout_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class McpSettings:
     """The Model Context Protocol (`[mcp]`, env `MCP_*`, PROTOCOL §14)."""
 
@@ -399,6 +420,10 @@ class McpSettings:
     server: bool = True
     #: characters of an MCP tool's result given to the model at most
     max_result_chars: int = 20_000
+    #: let `[mcp.servers.<name>] command` start programs on this host (stdio servers)
+    allow_stdio: bool = False
+    #: the MCP servers whose tools the research agent may call, by name
+    servers: Mapping[str, McpServerSettings] = field(default_factory=dict)
 
 
 #: auth.mode: no auth, static keys (auth.api_keys), or accounts
