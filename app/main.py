@@ -41,6 +41,7 @@ from .identity.throttle import SignInThrottle
 from .ids import Snowflake, WorkerLease
 from .lifecycle import GracefulShutdown
 from .logs import AccessLog
+from .mcp_client import McpServers
 from .metrics import Metrics
 from .model import ChatModel, DemoModel, Embedder, LLMClient, is_demo
 from .prompts import Prompts
@@ -137,6 +138,8 @@ async def open_service(
         )
         await knowledge.open()
         stack.push_async_callback(knowledge.aclose)
+        # connected in the background: a server that is down delays nothing
+        servers = await stack.enter_async_context(McpServers(settings.mcp))
         service = ChatService(
             settings,
             store=the_store,
@@ -148,6 +151,7 @@ async def open_service(
             files=files,
             metrics=metrics,
             collections=knowledge,
+            mcp=servers,
         )
         await stack.enter_async_context(lease)
         await service.open()
@@ -318,6 +322,7 @@ def create_app(
         # the Perplexica web UI (PROTOCOL §9)
         Route("/api/models", perplexica.models, methods=["GET"]),
         Route("/api/providers", api.providers, methods=["GET"]),
+        Route("/api/mcp/servers", api.mcp_servers, methods=["GET"]),
         Route("/api/images", perplexica.images, methods=["POST"]),
         Route("/api/videos", perplexica.videos, methods=["POST"]),
         Route("/api/discover", perplexica.discover, methods=["GET"]),

@@ -259,13 +259,26 @@ def _day(value: Any, name: str) -> date | None:
 SOURCE_KINDS = ("web", "academic", "discussions", "files")
 
 
+#: `mcp:<name>` in `sources`: the configured MCP server `<name>` (PROTOCOL §14)
+MCP_SOURCE = re.compile(r"mcp:[a-z0-9][a-z0-9_-]{0,29}")
+
+
 def parse_sources(value: Any) -> tuple[str, ...]:
-    """`sources`: a list of `web`, `academic`, `discussions`, `files`."""
+    """`sources`: a list of `web`, `academic`, `discussions`, `files` and `mcp:<name>`
+    (whether such a server is configured is not checked: one that is not is offered
+    nothing — a request never adds a server)."""
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(v in SOURCE_KINDS for v in value):
-        raise BadRequest(f"sources must be a list of {', '.join(SOURCE_KINDS)}")
+    if not isinstance(value, list) or not all(
+        v in SOURCE_KINDS or (isinstance(v, str) and MCP_SOURCE.fullmatch(v)) for v in value
+    ):
+        raise BadRequest(f"sources must be a list of {', '.join(SOURCE_KINDS)} or mcp:<name>")
     return tuple(dict.fromkeys(value))
+
+
+def mcp_servers_named(sources: tuple[str, ...]) -> tuple[str, ...]:
+    """The MCP servers a request's `sources` names (`mcp:<name>` → `<name>`)."""
+    return tuple(s.removeprefix("mcp:") for s in sources if s.startswith("mcp:"))
 
 
 def parse_collections(value: Any) -> tuple[str, ...]:

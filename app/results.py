@@ -31,6 +31,8 @@ class SearchResult:
     collection_id: str = ""
     document_id: str = ""
     score: float = 0.0
+    #: a link an MCP tool returned: the tool, as the model called it (`<server>__<tool>`)
+    tool: str = ""
 
     @property
     def text(self) -> str:

@@ -8,7 +8,8 @@ within its optimization mode's budget, and every step is streamed.
 
 A round is one model call that asks for tools — `web_search`, `academic_search`,
 `discussion_search`, `read_url`, `search_files`, `search_collection`, `done`: objects
-held in one registry (`tools.Tools`) — and the calls it made, run concurrently. The
+held in one registry (`tools.Tools`), with the tools of the configured MCP servers
+(`<server>__<tool>`) — and the calls it made, run concurrently. The
 loop ends at `done`, at the budget, or when a round brings nothing. Models without tool calling (a 400 naming tools, or no call
 where one was required) get the same loop through a JSON-in-text planner prompt; the
 verdict is kept per model for the process. Every model call has a deadline
@@ -39,12 +40,14 @@ import orjson
 from ..config import Settings
 from ..errors import AppError
 from ..files.service import FileService
+from ..mcp_client import McpServers
 from ..model import ChatModel, ToolCall, ToolsUnsupported, tokens_in
 from ..prompts import Prompts
 from ..results import SearchFilters, SearchResult
 from ..search.base import SearchScope
 from ..search.web import Progress, WebSearch, until_deadline
 from ..store import FileRecord
+from .mcp_tools import McpTools
 from .tools import MAX_READS, RESULT_CHARS, Research, Steps, research_tools
 
 log = logging.getLogger("app.research")
@@ -98,6 +101,7 @@ class Researcher:
         prompts: Prompts,
         web: WebSearch,
         files: FileService,
+        mcp: McpServers | None = None,
     ) -> None:
         self.settings = settings
         self.llm = llm
@@ -107,6 +111,8 @@ class Researcher:
         self.tools, self.pages = research_tools(
             web, files, settings.search, settings.reader, settings.uploads
         )
+        if mcp is not None:
+            self.tools.register_set(McpTools(mcp))
         #: models seen to have no tool calling (for this process): they plan in JSON
         self.no_tools: set[str] = set()
 
@@ -131,9 +137,11 @@ class Researcher:
         files: Sequence[FileRecord] = (),
         collections: Callable[[str], Awaitable[list[SearchResult]]] | None = None,
         filters: SearchFilters | None = None,
+        servers: Sequence[str] = (),
     ) -> Gathered:
         """The sources for `question`, pasted pages first; none when nothing was found.
-        Every web search and every page read is kept to `filters`."""
+        Every web search and every page read is kept to `filters`; the MCP servers
+        `servers` are offered beside the default ones."""
         budget = budget_of(self.settings, mode)
         loop = asyncio.get_running_loop()
         job = Research(
@@ -145,6 +153,7 @@ class Researcher:
             collections,
             loop.time() + budget.seconds,
             filters,
+            servers=frozenset(servers),
         )
         if urls:
             await self.pages.read(job, list(urls)[:MAX_READS])
@@ -157,10 +166,10 @@ class Researcher:
             if not job.searches and len(job.found) == len(pinned):
                 await self._first_search(job)  # the planner did nothing: one plain search
             found = list(job.found.values())
-            web = [r for r in found[len(pinned) :] if r.url.startswith("http")]
+            web = [r for r in found[len(pinned) :] if r.url.startswith("http") and not r.tool]
             if not job.reads and web and loop.time() < job.deadline:
                 # the model read nothing: ranked and read as the mode does without it
-                others = [r for r in found[len(pinned) :] if not r.url.startswith("http")]
+                others = [r for r in found[len(pinned) :] if r not in web]
                 how = "quality" if mode == "deep" else mode  # deep research reads like quality
                 refined = await self.web.refine(out, job.question, how, web, job.deadline)
                 return Gathered([*pinned, *refined, *others], len(pinned), frozenset(job.searched))

@@ -22,7 +22,7 @@ from ..config import DEFAULT_PROVIDER
 from ..errors import AppError, StreamError, Unavailable
 from ..events import Handle
 from ..model import ContextTooLong, Delta, Message, tokens_in
-from ..protocol import ChatRequest
+from ..protocol import ChatRequest, mcp_servers_named
 from ..results import SearchResult
 from ..search.web import (
     context_chars,
@@ -314,9 +314,10 @@ class Generation:
         history), so its first token comes no later than before."""
         svc, req = self.services, self.request
         allowed: tuple[str, ...] = ("web",) if sources.scope is not None else SOURCE_KINDS
-        if req.sources:
+        kinds = tuple(k for k in req.sources if k in SOURCE_KINDS)  # not `mcp:<name>`
+        if kinds:
             # a mode that fixes its sources wins over the request's list (PROTOCOL §1)
-            allowed = tuple(k for k in allowed if k in req.sources) or allowed[:1]
+            allowed = tuple(k for k in allowed if k in kinds) or allowed[:1]
         if not self.files:
             # no files to search: never another kind instead, which the request did not allow
             allowed = tuple(k for k in allowed if k != "files")
@@ -430,6 +431,7 @@ class Generation:
                 files=self.files if "files" in self.decision.sources else (),
                 collections=self.collections,
                 filters=req.search,
+                servers=mcp_servers_named(req.sources),
             )
             pinned = gathered.results[: gathered.pinned]
             results = gathered.results[gathered.pinned :]

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..chores import Chores
 from ..collections.service import CollectionService
@@ -33,6 +33,7 @@ from ..errors import AppError, BadRequest, ConfigError, Conflict, Forbidden, Not
 from ..events import Event, Handle
 from ..files.service import FileService
 from ..ids import Snowflake
+from ..mcp_client import McpServers
 from ..metrics import Metrics
 from ..model import ChatModel
 from ..model.providers import ModelRegistry
@@ -70,6 +71,7 @@ class ChatService:
         files: FileService,
         metrics: Metrics,
         collections: CollectionService | None = None,
+        mcp: McpServers | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -80,6 +82,8 @@ class ChatService:
         self.search = search
         self.files = files
         self.collections = collections
+        #: the configured MCP servers whose tools the research agent may call
+        self.mcp = mcp
         self.metrics = metrics
         self.chores = Chores("chat service")
         self.keeper = AnswerKeeper(
@@ -93,7 +97,9 @@ class ChatService:
             llm=llm,
             prompts=prompts,
             search=search,
-            researcher=Researcher(settings, llm=llm, prompts=prompts, web=search, files=files),
+            researcher=Researcher(
+                settings, llm=llm, prompts=prompts, web=search, files=files, mcp=mcp
+            ),
             files=files,
             store=store,
             keeper=self.keeper,
@@ -366,6 +372,10 @@ class ChatService:
         sources, and nothing else, without a key."""
         digest = hmac.new(self._link_key, question_id.encode(), hashlib.sha256)
         return digest.hexdigest()[:32]
+
+    def mcp_servers(self) -> list[dict[str, Any]]:
+        """The configured MCP servers, their statuses and tools (never a URL or header)."""
+        return self.mcp.listing() if self.mcp is not None else []
 
     def sources_link(self, question_id: str, request_host: str) -> str:
         """The signed "All Sources" link of a question (host-relative, `//host/…`)."""

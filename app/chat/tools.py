@@ -111,6 +111,8 @@ class Research:
     searches: int = 0
     reads: int = 0  # pages the model asked to read (pasted ones are not counted)
     searched: set[str] = field(default_factory=set)  # "files", "collection"
+    #: the MCP servers the request named (`sources: ["mcp:<name>"]`), beside the default ones
+    servers: frozenset[str] = frozenset()
 
     def allows(self, url: str) -> bool:
         """Whether a web page passes the request's domain filter."""
@@ -152,11 +154,30 @@ class Tool(Protocol):
         ...
 
 
+class ToolSet(Protocol):
+    """Tools that come and go (an MCP server's, as it lists them): asked for its
+    schemas per research, and for a call of one of its names."""
+
+    def schemas(self, job: Research) -> list[dict[str, Any]]:
+        """The schemas of its tools `job` may use now."""
+        ...
+
+    def owns(self, name: str) -> bool:
+        """Whether `name` is one of its tools' (whether or not it is offered now)."""
+        ...
+
+    async def run(self, job: Research, name: str, args: dict[str, Any]) -> str:
+        """As `Tool.run`, for its tool `name`."""
+        ...
+
+
 class Tools:
-    """The tools of the research agent, by name, in the order they are offered."""
+    """The tools of the research agent, by name, in the order they are offered; then
+    those of the tool sets (`register_set`)."""
 
     def __init__(self, tools: Iterable[Tool] = ()) -> None:
         self._tools: dict[str, Tool] = {}
+        self._sets: list[ToolSet] = []
         for tool in tools:
             self.register(tool)
 
@@ -167,16 +188,26 @@ class Tools:
             raise ValueError(f"a tool named {tool.name!r} is registered already")
         self._tools[tool.name] = tool
 
+    def register_set(self, tools: ToolSet) -> None:
+        """Add a set of tools, offered after the single ones; a name of a single tool
+        is never one of its."""
+        self._sets.append(tools)
+
     def schemas(self, job: Research) -> list[dict[str, Any]]:
         """The schemas of the tools `job` may use, to offer the model."""
-        return [tool.schema for tool in self._tools.values() if tool.offered(job)]
+        mine = [tool.schema for tool in self._tools.values() if tool.offered(job)]
+        theirs = [s for tools in self._sets for s in tools.schemas(job)]
+        return mine + [s for s in theirs if s["function"]["name"] not in self._tools]
 
     async def run(self, job: Research, call: ToolCall) -> str:
         """Run one call; what it found, in words for the model."""
         tool = self._tools.get(call.name)
-        if tool is None:
-            return f"there is no tool {call.name[:40]!r} here"
-        return await tool.run(job, _arguments(call.arguments))
+        if tool is not None:
+            return await tool.run(job, _arguments(call.arguments))
+        for tools in self._sets:
+            if tools.owns(call.name):
+                return await tools.run(job, call.name, _arguments(call.arguments))
+        return f"there is no tool {call.name[:40]!r} here"
 
 
 def function_schema(name: str, description: str, **params: dict[str, Any]) -> dict[str, Any]:

@@ -382,6 +382,8 @@ def source_entries(results: list[SearchResult]) -> list[dict[str, object]]:
             metadata["documentId"] = r.document_id
             if r.page:  # as a file's: only a format with pages (PDF) has one
                 metadata["page"] = r.page
+        if r.tool:
+            metadata["tool"] = r.tool
         passage = r.file_id or r.collection_id
         text = r.snippet if passage else (r.snippet or r.content)[:SNIPPET_CHARS]
         entries.append({"metadata": metadata, "pageContent": text})

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat.records import Chat, FileRecord, StoredMessage, iso
 from ..chat.service import ChatService
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Forbidden, NotFound
 from ..events import FOCUS_MODES
 from ..extract import kind_of
 from ..files.service import clean_name
@@ -28,6 +28,7 @@ from .http import (
     MAX_FILES_PER_UPLOAD,
     client_identity,
     count_request,
+    current_user,
     error_response,
     json_errors,
     read_form,
@@ -133,6 +134,18 @@ async def providers(request: Request) -> Response:
     return JSONResponse(registry.to_json(restricted=restricted(request)))
 
 
+@json_errors
+async def mcp_servers(request: Request) -> Response:
+    """`GET /api/mcp/servers` (PROTOCOL §14): each configured MCP server, its status and
+    its tools; for an admin, or anyone with auth off. Never a URL or a header."""
+    identity = request.app.state.identity
+    if identity.mode != "off":
+        user = current_user(request)
+        if user is None or not user.is_admin:
+            raise Forbidden("only an admin may see the MCP servers")
+    return JSONResponse({"servers": _service(request).mcp_servers()})
+
+
 def answered_by(message: StoredMessage) -> dict[str, Any]:
     """`{"chatModel": {"provider", "model"}}` of an answer whose model is known."""
     chosen = stored_choice(message.model) if message.role == "assistant" else None
@@ -204,6 +217,11 @@ async def config(request: Request) -> Response:
             "authMode": request.app.state.identity.mode,
             "demo": is_demo(settings.llm.base_url),
             "modelProblem": request.app.state.service.model_problem,
+            # the source picker's MCP servers: names only (`sources: ["mcp:<name>"]`)
+            "mcpServers": [
+                {"name": s["name"], "default": s["default"]}
+                for s in request.app.state.service.mcp_servers()
+            ],
         }
     )
 
