@@ -9,9 +9,12 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from app.config import McpServerSettings
 from app.main import create_app
+from tests.fakes.mcp_server import FakeMcp
 from tests.fakes.search import RELEVANT_QUESTION
 from tests.servers import AppProcess, chromium, serve
 
@@ -791,3 +794,35 @@ def test_a_focus_chosen_before_the_config_arrives_stays_chosen(open_page, fake_m
     page.wait_for_timeout(500)  # the config applied
     assert page.eval_on_selector("#focus", "e => e.value") == "deepResearch"
     assert page.eval_on_selector("#mode", "e => e.value") == "balanced"
+
+
+# ---- MCP servers in the source picker ------------------------------------------------------------
+
+
+def test_the_source_picker_lists_the_mcp_servers(open_page, fake_model, fake_search):
+    fake = FakeMcp()
+    with serve(fake.app()) as mcp:
+        servers = {
+            "handbook": McpServerSettings(url=mcp.url + "/mcp", default=False),
+            "always": McpServerSettings(url=mcp.url + "/mcp"),
+        }
+        page = open_page(changes={"mcp": {"servers": servers}})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            listed = httpx.get(page.base + "/api/mcp/servers").json()["servers"]
+            if all(s["status"] == "ready" for s in listed):
+                break
+            time.sleep(0.1)
+        picker = page.locator("#mcp-servers")
+        picker.wait_for()
+        assert page.is_checked("#mcp-servers input[value='mcp:always']")
+        assert page.is_disabled("#mcp-servers input[value='mcp:always']")
+        assert not page.is_checked("#mcp-servers input[value='mcp:handbook']")
+        page.check("#mcp-servers input[value='mcp:handbook']")
+        page.select_option("#mode", "balanced")
+        fake_model.tool_rounds[:] = [[("handbook__lookup", {"topic": "raptor"})], [("done", {})]]
+        ask(page, RELEVANT_QUESTION)
+        wait_state(page, "completed")
+    offered = {t["function"]["name"] for t in fake_model.tool_requests()[0]["tools"]}
+    assert {"handbook__lookup", "always__lookup"} <= offered
+    assert fake.calls == ["lookup:raptor"]

@@ -104,6 +104,7 @@ async function ask(content, { messageId = randomId(), replace = null } = {}) {
     files: files.map((f) => f.fileId),
     ...searchControls(),
     ...chosenModel($("#model")),
+    ...chosenServers(),
   });
   if (files.length) {
     addChatFiles(files.map((f) => f.name));
@@ -878,7 +879,38 @@ async function loadConfig() {
     ? `Web search will not work on this server: ${sentence(problem)} Answers will have no web sources. ${searchFix(problem)}`
     : "";
   fillModes(state.config.focusModes || Object.keys(FOCUS_LABELS), state.config.optimizationModes || ["speed"]);
+  fillServers(state.config.mcpServers || []);
   return true;
+}
+
+/** The source picker's MCP servers: a server used by default is always on; another is
+ * used when ticked (`sources: ["mcp:<name>"]`). */
+function fillServers(servers) {
+  const box = $("#mcp-servers");
+  const ticked = new Set(chosenServers().sources || []);
+  box.replaceChildren(
+    ...servers.map((server) => {
+      const label = document.createElement("label");
+      label.className = "toggle";
+      label.title = server.default
+        ? `The research uses the tools of ${server.name} (MCP) when it needs them`
+        : `Let the research use the tools of ${server.name} (MCP)`;
+      const input = document.createElement("input");
+      input.type = "checkbox";
+      input.value = `mcp:${server.name}`;
+      input.checked = server.default || ticked.has(input.value);
+      input.disabled = server.default;
+      label.append(input, ` ${server.name}`);
+      return label;
+    }),
+  );
+  box.hidden = servers.length === 0;
+}
+
+/** The ticked MCP servers not used by default, as the request's `sources`. */
+function chosenServers() {
+  const named = [...document.querySelectorAll("#mcp-servers input:checked:not(:disabled)")].map((i) => i.value);
+  return named.length ? { sources: named } : {};
 }
 
 /** With accounts: signed in (the sign-in page until then), named in the sidebar. */
