@@ -56,6 +56,8 @@ MAX_RESPONSE_BYTES = 4 << 20
 RELIST_SECONDS = 300.0
 #: the pauses between connection attempts grow from the first to the last
 RETRY_SECONDS = (0.5, 30.0)
+#: how long closing the connections may take, at shutdown
+CLOSE_SECONDS = 5.0
 #: characters of a tool's description offered to the model
 DESCRIPTION_CHARS = 1000
 #: links of one result that become sources, at most
@@ -121,10 +123,18 @@ class Result:
 class McpServer:
     """One configured server: its connection, kept by a task of its own."""
 
-    def __init__(self, name: str, settings: McpServerSettings, max_result_chars: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        settings: McpServerSettings,
+        max_result_chars: int,
+        *,
+        allow_stdio: bool = False,
+    ) -> None:
         self.name = name
         self.settings = settings
         self.max_result_chars = max_result_chars
+        self.allow_stdio = allow_stdio
         self.status: Status = "connecting"
         self.error = ""  # why it is down, in a few words
         self.tools: tuple[RemoteTool, ...] = ()
@@ -181,7 +191,11 @@ class McpServer:
     # -- the connection ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Connect, list, listen; again after a pause when it fails. Runs until cancelled."""
+        """Connect, list, listen; again after a pause when it fails. Runs until cancelled
+        (or at once, for a command that `mcp.allow_stdio` does not allow)."""
+        if self.settings.command and not self.allow_stdio:
+            self._down("a command (stdio) needs mcp.allow_stdio")
+            return
         pause = RETRY_SECONDS[0]
         while True:
             try:
@@ -291,7 +305,9 @@ class McpServers:
 
     def __init__(self, settings: McpSettings) -> None:
         self.servers = {
-            name: McpServer(name, server, settings.max_result_chars)
+            name: McpServer(
+                name, server, settings.max_result_chars, allow_stdio=settings.allow_stdio
+            )
             for name, server in settings.servers.items()
         }
         self._tasks: list[asyncio.Task[None]] = []
@@ -303,11 +319,12 @@ class McpServers:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Every connection closed (a server that will not let go is left after
+        `CLOSE_SECONDS`)."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=CLOSE_SECONDS)
         self._tasks = []
 
     def tool(self, offered_name: str) -> tuple[McpServer, RemoteTool] | None:

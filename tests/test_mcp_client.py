@@ -126,16 +126,20 @@ async def test_the_agent_answers_with_a_tool_of_an_admins_mcp_server(
     assert events[-1].type == "messageEnd" and answer_of(events)
 
 
-@pytest.fixture
-def everything() -> Iterator[str]:
-    """The reference server from npm, over Streamable HTTP on loopback: its URL."""
+def everything_script() -> str:
+    """The reference server from npm (installed on first use)."""
     home = npm_packages("mcp_servers.sh")
-    script = os.path.join(
+    return os.path.join(
         home, "node_modules", "@modelcontextprotocol", "server-everything", "dist", "index.js"
     )
+
+
+@pytest.fixture
+def everything() -> Iterator[str]:
+    """The reference server, over Streamable HTTP on loopback: its URL."""
     port = free_port()
     process = subprocess.Popen(
-        ["node", script, "streamableHttp"],
+        ["node", everything_script(), "streamableHttp"],
         env={**os.environ, "PORT": str(port)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -167,6 +171,28 @@ async def test_the_reference_server_from_npm_answers_a_call(
     assert sorted(s["tool"] for s in done) == ["echo", "get-sum"]
     told = [m["content"] for m in fake_model.tool_requests()[1]["messages"] if m["role"] == "tool"]
     assert any("42" in t for t in told) and any("hi" in t for t in told)
+
+
+async def test_a_stdio_server_is_started_by_its_command_when_allowed(
+    settings, fake_model, fake_search
+):
+    local = McpServerSettings(command="node", args=(everything_script(), "stdio"))
+    fake_model.tool_rounds[:] = [[("local__echo", {"message": "from stdio"})], [("done", {})]]
+    config = with_servers(settings, local=local).replace(mcp={"allow_stdio": True})
+    async with app_with(config) as http:
+        await ready(http, "local")
+        events = await sse_chat(http, research())
+    assert [s["status"] for s in tool_steps(events)] == ["running", "done"]
+    told = [m["content"] for m in fake_model.tool_requests()[1]["messages"] if m["role"] == "tool"]
+    assert told == ["Echo: from stdio"]
+    async with app_with(with_servers(settings, local=local)) as http:
+
+        async def refused() -> Any:
+            server = (await listing(http))["local"]
+            return server if server["status"] == "down" else None
+
+        stopped = await wait_for(refused, timeout=5)
+    assert "allow_stdio" in stopped["error"]  # without it, the command is never run
 
 
 # -- failures fail the step, and the answer goes on -----------------------------------------
