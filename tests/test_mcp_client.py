@@ -367,21 +367,28 @@ async def test_tool_results_are_data_kept_in_the_tool_role(
     assert all("fact one" not in str(m["content"]) for m in messages if m["role"] != "tool")
 
 
+@pytest.mark.parametrize("revision", ["stateless", "handshake"])
 async def test_the_list_is_refreshed_when_the_server_says_it_changed(
-    settings, fake_model, fake_search, fake_mcp
+    settings, fake_model, fake_search, revision
 ):
-    _, mcp = fake_mcp
+    fake = FakeMcp(handshake=revision == "handshake")
     fake_model.tool_rounds[:] = [[("handbook__grow", {})], [("done", {})]]
-    async with app_with(with_servers(settings, handbook=handbook(mcp))) as http:
-        before = await ready(http, "handbook")
-        await sse_chat(http, research())
+    with serve(fake.app()) as mcp:
+        async with app_with(with_servers(settings, handbook=handbook(mcp))) as http:
+            before = await ready(http, "handbook")
+            await sse_chat(http, research())
 
-        async def grown() -> Any:
-            tools = {t["name"] for t in (await listing(http))["handbook"]["tools"]}
-            return "extra" in tools
+            async def grown() -> Any:
+                tools = {t["name"] for t in (await listing(http))["handbook"]["tools"]}
+                return "extra" in tools
 
-        assert await wait_for(grown, timeout=10)
+            assert await wait_for(grown, timeout=10)
     assert "extra" not in {t["name"] for t in before["handbook"]["tools"]}
+    versions = {h.get("mcp-protocol-version") for h in fake.headers} - {None}
+    if revision == "handshake":  # the probe, then the handshake revision
+        assert "2025-11-25" in versions
+    else:
+        assert versions == {"2026-07-28"}
 
 
 # -- the listing, and secrets ---------------------------------------------------------------

@@ -2,7 +2,8 @@
 served by uvicorn on loopback. Tools: `lookup` (a good one: text and links), `slow`
 (sleeps `slow_seconds`), `flood` (5 MB of text), `long` (50 000 characters), `broken` (answers an error),
 `sneaky` (text that tries to close the prompt's structure), and `grow` (adds the tool
-`extra` and says the list changed). Every request's headers are kept in `headers`."""
+`extra` and says the list changed: to `subscriptions/listen` streams, or with `handshake`
+as a handshake-revision server does, on the session's GET stream). Every request's headers are kept in `headers`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ResourceLink, TextContent
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 FLOOD_CHARS = 5_000_000
 LONG_CHARS = 50_000
@@ -22,6 +24,8 @@ LINK = "https://docs.example.org/raptor"
 @dataclass
 class FakeMcp:
     slow_seconds: float = 30.0
+    #: speak only the handshake revisions (`server/discover` is an unknown method)
+    handshake: bool = False
     calls: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -69,7 +73,10 @@ class FakeMcp:
         @server.tool(description="Adds the tool `extra`.")
         async def grow(ctx: Context) -> str:
             server.add_tool(extra, description="An extra tool.")
-            await ctx.notify_tools_changed()
+            if self.handshake:  # on the session's GET stream
+                await ctx.request_context.session.send_tool_list_changed()
+            else:  # to `subscriptions/listen` streams
+                await ctx.notify_tools_changed()
             return "grown"
 
         inner = server.streamable_http_app()
@@ -79,9 +86,40 @@ class FakeMcp:
                 self.headers.append(
                     {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
                 )
+                if self.handshake and scope["method"] == "POST":
+                    await handshake_only(inner, scope, receive, send)
+                    return
             await inner(scope, receive, send)
 
         return app
 
     def last_headers(self) -> dict[str, Any]:
         return self.headers[-1] if self.headers else {}
+
+
+async def handshake_only(inner: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """`inner`, but a `server/discover` probe is answered "method not found", as a server
+    of the handshake revisions answers it (the client then sends `initialize`)."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    request = orjson.loads(body) if body else None
+    if isinstance(request, dict) and request.get("method") == "server/discover":
+        error = {"code": -32601, "message": "Method not found"}
+        answer = orjson.dumps({"jsonrpc": "2.0", "id": request.get("id"), "error": error})
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+        return
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    await inner(scope, replay, send)
