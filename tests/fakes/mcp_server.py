@@ -14,7 +14,9 @@ from typing import Any
 import orjson
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ResourceLink, TextContent
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.transport.mcp import _replaying
 
 FLOOD_CHARS = 5_000_000
 LONG_CHARS = 50_000
@@ -113,13 +115,4 @@ async def handshake_only(inner: ASGIApp, scope: Scope, receive: Receive, send: S
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
         return
-    replayed = False
-
-    async def replay() -> Message:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    await inner(scope, replay, send)
+    await inner(scope, _replaying(body, receive), send)
