@@ -58,6 +58,8 @@ RELIST_SECONDS = 300.0
 RETRY_SECONDS = (0.5, 30.0)
 #: how long closing the connections may take, at shutdown
 CLOSE_SECONDS = 5.0
+#: tools of one server offered at most (models take some 128 in all)
+MAX_TOOLS = 40
 #: characters of a tool's description offered to the model
 DESCRIPTION_CHARS = 1000
 #: links of one result that become sources, at most
@@ -75,6 +77,10 @@ _STRUCTURE = re.compile(
 
 class ToolCallFailed(Exception):
     """A call that gave no usable result; `str(exc)` says why, for the step and the model."""
+
+
+class Gone(Exception):
+    """The connection is no more (a call found it so); `str(exc)` says how."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +253,7 @@ class McpServer:
                     self._changed.clear()
                     async with asyncio.timeout(timeout):
                         await self._list(client)
-                raise ConnectionError("a call found the connection gone")
+                raise Gone("a call found the connection gone")
 
     async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
         s = self.settings
@@ -284,7 +290,14 @@ class McpServer:
                 _object_schema(t.input_schema),
             )
             tools.setdefault(tool.offered_name, tool)
-        self.tools = tuple(tools.values())
+        if len(tools) > MAX_TOOLS:
+            log.warning(
+                "MCP server %s lists %d tools: the first %d are offered (name some in `tools`)",
+                self.name,
+                len(tools),
+                MAX_TOOLS,
+            )
+        self.tools = tuple(tools.values())[:MAX_TOOLS]
 
     async def _listen(self, client: Client) -> None:
         """The stateless revision's list-changed events, while the connection lasts."""
@@ -448,6 +461,8 @@ def _why(exc: BaseException) -> str:
     """A failure in a few words, without the URL or anything sent (they may hold secrets)."""
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         return _why(exc.exceptions[0])
+    if isinstance(exc, Gone):
+        return str(exc)
     if isinstance(exc, TimeoutError):
         return "no answer in time"
     if isinstance(exc, TooMuch):

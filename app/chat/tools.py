@@ -3,7 +3,8 @@ the model (OpenAI's function format), whether one research may use it (`offered`
 and an async `run` that does what a call asks and says, in words for the model,
 what it found. `Tools` holds them, in the order they are offered; the agent asks it
 for the schemas of a research and runs every call through it. Adding a tool is
-registering an object (`Tools.register`).
+registering an object (`Tools.register`); tools that come and go (an MCP server's,
+`mcp_tools.McpTools`) are a set registered whole (`Tools.register_set`).
 
 A tool's `run` records what it found in the `Research` it is given (`keep`) and
 streams its work as steps (`Steps`): every step that starts ends, `done` or
