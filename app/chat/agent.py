@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -45,6 +45,7 @@ from ..results import SearchFilters, SearchResult
 from ..search.base import SearchScope
 from ..search.web import Progress, WebSearch, until_deadline
 from ..store import FileRecord
+from ..timings import Timings
 from .tools import MAX_READS, RESULT_CHARS, Research, Steps, research_tools
 
 log = logging.getLogger("app.research")
@@ -131,9 +132,13 @@ class Researcher:
         files: Sequence[FileRecord] = (),
         collections: Callable[[str], Awaitable[list[SearchResult]]] | None = None,
         filters: SearchFilters | None = None,
+        timings: Timings | None = None,
+        prefetched: Mapping[str, asyncio.Future[list[SearchResult]]] | None = None,
     ) -> Gathered:
         """The sources for `question`, pasted pages first; none when nothing was found.
-        Every web search and every page read is kept to `filters`."""
+        Every web search and every page read is kept to `filters`, and timed in
+        `timings`. A search of `prefetched` (by query, started with this `scope` and
+        `filters`) is taken when the research asks for it; the others are cancelled."""
         budget = budget_of(self.settings, mode)
         loop = asyncio.get_running_loop()
         job = Research(
@@ -145,7 +150,19 @@ class Researcher:
             collections,
             loop.time() + budget.seconds,
             filters,
+            timings=timings or Timings(),
+            prefetched=dict(prefetched or {}),
         )
+        try:
+            return await self._gather(job, out, mode, budget, urls)
+        finally:
+            for search in job.prefetched.values():
+                search.cancel()  # not needed after all: never awaited
+
+    async def _gather(
+        self, job: Research, out: Progress, mode: str, budget: Budget, urls: Sequence[str]
+    ) -> Gathered:
+        loop = asyncio.get_running_loop()
         if urls:
             await self.pages.read(job, list(urls)[:MAX_READS])
             job.reads = 0  # what the user pasted; the model has read nothing yet
@@ -162,7 +179,8 @@ class Researcher:
                 # the model read nothing: ranked and read as the mode does without it
                 others = [r for r in found[len(pinned) :] if not r.url.startswith("http")]
                 how = "quality" if mode == "deep" else mode  # deep research reads like quality
-                refined = await self.web.refine(out, job.question, how, web, job.deadline)
+                with job.timings.span("refine"):
+                    refined = await self.web.refine(out, job.question, how, web, job.deadline)
                 return Gathered([*pinned, *refined, *others], len(pinned), frozenset(job.searched))
         return Gathered(list(job.found.values()), len(pinned), frozenset(job.searched))
 
@@ -203,7 +221,8 @@ class Researcher:
                 "round", f"round {n} of {budget.rounds}", n=n, of=budget.rounds
             ) as step:
                 ends = loop.time() + min(remaining, self.settings.research.round_seconds)
-                calls = await self._plan(job, messages, tools, n, budget, ends, model)
+                with job.timings.span("round", n=n):
+                    calls = await self._plan(job, messages, tools, n, budget, ends, model)
                 if calls is None:
                     job.steps.end(step, f"round {n}: the model gave no plan", "failed", n=n)
                     break

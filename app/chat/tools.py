@@ -32,6 +32,7 @@ from ..results import RECENCY, SearchFilters, SearchResult, in_domain
 from ..search.base import SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
+from ..timings import Timings
 from .modes import ACADEMIC, DISCUSSIONS
 
 log = logging.getLogger("app.research")
@@ -111,6 +112,11 @@ class Research:
     searches: int = 0
     reads: int = 0  # pages the model asked to read (pasted ones are not counted)
     searched: set[str] = field(default_factory=set)  # "files", "collection"
+    #: where the time of its searches and reads is recorded
+    timings: Timings = field(default_factory=Timings)
+    #: web searches started before the research (the question searched while it was
+    #: classified), by query: a `web_search` of that query takes its results
+    prefetched: dict[str, asyncio.Future[list[SearchResult]]] = field(default_factory=dict)
 
     def allows(self, url: str) -> bool:
         """Whether a web page passes the request's domain filter."""
@@ -258,11 +264,18 @@ class SearchTheWeb:
             provider=PROVIDER_LABELS.get(provider, provider),
         ) as step:
             job.searches += 1
+            started = None
+            if scope is job.scope and filters is job.filters:
+                started = job.prefetched.pop(query, None)
             try:
                 async with asyncio.timeout(self.timeout):
-                    results = await self.web.provider.search(
-                        query, self.web.limit(filters), scope, filters
-                    )
+                    if started is not None:  # its span is the speculative search's
+                        results = await started
+                    else:
+                        with job.timings.span("search", query=query[:100]):
+                            results = await self.web.provider.search(
+                                query, self.web.limit(filters), scope, filters
+                            )
             except (SearchError, TimeoutError) as exc:
                 why = getattr(exc, "message", None) or "timed out"
                 log.warning("search failed: %s", why)
@@ -316,9 +329,10 @@ class ReadPages:
             return "no address to read" if not excluded else "those pages may not be read"
         with job.steps.running("read", f"reading {_pages(len(urls))}", urls=urls) as step:
             job.reads += len(urls)
-            pages = await until_deadline(
-                [self.web.read_page(u, self.timeout) for u in urls], job.deadline
-            )
+            with job.timings.span("read", pages=len(urls)):
+                pages = await until_deadline(
+                    [self.web.read_page(u, self.timeout) for u in urls], job.deadline
+                )
             read = []
             for url, page in zip(urls, pages, strict=True):
                 if page:
