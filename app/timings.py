@@ -69,5 +69,11 @@ class Timings:
             self.end(span)
 
     def to_json(self) -> list[dict[str, Any]]:
-        """The spans as they are now (one still running has no `endMs`)."""
-        return [dict(span) for span in self._spans]
+        """The spans as they are now (one still running has no `endMs`), each with its
+        stage and times first."""
+        first = ("stage", "startMs", "endMs")
+        return [
+            {k: span[k] for k in first if k in span}
+            | {k: v for k, v in span.items() if k not in first}
+            for span in self._spans
+        ]

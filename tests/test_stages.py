@@ -1,7 +1,8 @@
 """The answer's stages on a critical path: speed's first question is searched while the
-classifier decides (the search taken, cancelled or made again by what it decides), a
-rewrite that nothing searches for does not hold the answer up, and every stage is a
-span in `messageEnd.timings` and in the generation's log line. Order is asserted by
+classifier decides (the search taken, cancelled or made again by what it decides), and
+the first round of the modes with rounds is asked meanwhile; a follow-up waits for its
+standalone question; a rewrite that nothing searches for does not hold the answer up;
+and every stage is a span in `messageEnd.timings` and in the generation's log line. Order is asserted by
 the spans the server recorded, never by the wall clock."""
 
 from __future__ import annotations
@@ -49,12 +50,9 @@ def spans(events, stage):
     return [t for t in timings(events) if t["stage"] == stage]
 
 
-def steps(events, kind):
-    return [
-        e.data["step"]
-        for e in events
-        if e.type == "progress" and e.data.get("step", {}).get("kind") == kind
-    ]
+def steps(events, kind=None):
+    found = [e.data["step"] for e in events if e.type == "progress" and "step" in e.data]
+    return [s for s in found if kind is None or s["kind"] == kind]
 
 
 async def ask(settings, body):
@@ -63,21 +61,29 @@ async def ask(settings, body):
             return await sse_chat(client, body)
 
 
-async def test_the_search_ahead_is_cancelled_when_the_classifier_says_skip(
-    settings, fake_model, fake_search
+@pytest.mark.parametrize("mode", ["speed", "balanced"])
+async def test_what_was_started_ahead_is_cancelled_when_the_classifier_says_skip(
+    mode, settings, fake_model, fake_search
 ):
     decided(fake_model, skipSearch=True, sources=[])
-    fake_search.search_delay = 30  # in flight when the classifier decides
+    fake_model.slow_replies[CLASSIFY] = 0.5  # what goes ahead is asked meanwhile
+    fake_search.search_delay = fake_model.tool_delay = 30  # in flight when it decides
 
     with serve(create_app(settings)) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=30, event_hooks=USER) as client:
-            events = await sse_chat(client, web())
-            assert [q for _, q in fake_search.queries] == [QUESTION]  # started ahead
-            await wait_for(_async(lambda: fake_search.closed == [("tavily", QUESTION)]))
+            events = await sse_chat(client, web(mode=mode))
+            if mode == "speed":  # the question's search
+                assert [q for _, q in fake_search.queries] == [QUESTION]
+                await wait_for(_async(lambda: fake_search.closed == [("tavily", QUESTION)]))
+            else:  # the first round's model call
+                assert len(fake_model.tool_requests()) == 1 and fake_search.queries == []
+                await wait_for(_async(lambda: fake_model.tool_streams[-1].outcome != "open"))
+                assert fake_model.tool_streams[-1].outcome == "client_closed"
 
     assert events[-1].data["status"] == "completed"
-    assert "sources" not in [e.type for e in events] and steps(events, "search") == []
-    (ahead,) = spans(events, "search")
+    assert "sources" not in [e.type for e in events]
+    assert steps(events, "search") == [] and steps(events, "round") == []
+    (ahead,) = spans(events, "search" if mode == "speed" else "round")
     assert ahead["speculative"] is True and ahead["dropped"] is True
     assert steps(events, "classify")[0]["skipSearch"] is True
 
@@ -146,9 +152,9 @@ async def test_every_stage_is_a_span_in_message_end_and_the_log(
 
     stages = [t["stage"] for t in timings(events)]
     assert stages == [
+        "round",  # the first, asked beside the classifier
         "classify",
         "research",
-        "round",
         "search",
         "round",
         "read",
@@ -185,3 +191,38 @@ async def test_a_rewrite_that_nothing_searches_for_does_not_hold_the_answer(
         "What is the DeepSeek R1 model?"
     ]
     assert fake_model.streamed_requests()[-1]["messages"][-1]["content"] == question
+
+
+async def test_the_first_round_asked_ahead_is_the_researchs_first_round(
+    settings, fake_model, fake_search
+):
+    decided(fake_model)
+    fake_model.slow_replies[CLASSIFY] = 0.3
+    fake_model.tool_rounds[:] = [[("web_search", {"query": "raptor"})], [("done", {})]]
+
+    events = await ask(settings, web(mode="quality"))
+
+    assert len(fake_model.tool_requests()) == 2  # the first round asked once, not again
+    assert [q for _, q in fake_search.queries] == ["raptor"]
+    first, second = spans(events, "round")
+    (classified,) = spans(events, "classify")
+    assert first["n"] == 1 and first["speculative"] is True and "dropped" not in first
+    assert first["startMs"] <= classified["startMs"] and second["n"] == 2
+    assert [s["n"] for s in steps(events, "round") if s["status"] == "done"] == [1, 2]
+    assert steps(events, "classify")[0]["status"] == "done"
+    assert [s["kind"] for s in steps(events)][:2] == ["classify", "round"]  # as before
+
+
+async def test_a_follow_up_waits_for_its_standalone_question_before_its_first_round(
+    settings, fake_model, fake_search
+):
+    standalone = "how falcon engines burn methane, said alone"
+    decided(fake_model, question=standalone)
+    fake_model.tool_rounds[:] = [[("done", {})]]
+    history = [["human", "which rockets burn methane?"], ["assistant", "Starship does."]]
+
+    events = await ask(settings, web("and how do they burn it?", mode="balanced", history=history))
+
+    (asked,) = fake_model.tool_requests()
+    assert asked["messages"][-1]["content"] == standalone
+    assert [t.get("speculative") for t in spans(events, "round")] == [None]

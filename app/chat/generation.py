@@ -32,7 +32,7 @@ from ..search.web import (
 from ..store import Checkpoint, FileRecord, Saved, Usage
 from ..streams import LogWriter
 from ..timings import Timings
-from .agent import budget_of, context_tokens
+from .agent import Planned, budget_of, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .fitting import (
     MESSAGE_TOKENS,
@@ -103,6 +103,9 @@ class Generation:
         #: first question): taken by the research, or cancelled
         self._ahead: dict[str, asyncio.Future[list[SearchResult]]] = {}
         self._ahead_span: dict[str, Any] = {}
+        #: the research's first round, started while the classifier decides (the first
+        #: question of a mode with rounds): taken by the research, or cancelled
+        self._planned: Planned | None = None
         #: the rewrite of a question that nothing searches for, made beside the answer
         self._rewriting: asyncio.Future[None] | None = None
         self._most = text_chars(services.settings.stream.max_event_bytes)
@@ -365,7 +368,8 @@ class Generation:
             )
             return decision
         if worth_asking:
-            self._search_ahead(sources, history, allowed)
+            if not history:  # a follow-up needs its standalone question first
+                self._start_ahead(sources, allowed)
             with self.timings.span("classify"):
                 decision = await classify(
                     svc.llm,
@@ -376,9 +380,9 @@ class Generation:
                     timeout=svc.settings.research.classify_seconds,
                 )
             if decision.skip_search or decision.question != req.content:
-                self._drop_ahead()  # not needed, or the search of another question
-            elif "web" not in decision.sources:
-                self._drop_ahead()  # another kind of source instead
+                self._drop_ahead()  # not needed, or made for another question
+            elif "web" not in decision.sources and self._ahead:
+                self._drop_ahead()  # a web search, where other kinds of sources are asked
         else:
             decision = heuristic(req.content, allowed)
         if decision.rewritten:
@@ -397,18 +401,28 @@ class Generation:
             )
         return decision
 
-    def _search_ahead(
-        self, sources: WebSources, history: list[tuple[str, str]], allowed: tuple[str, ...]
-    ) -> None:
-        """Start the web search of the question as asked, to run while the classifier
-        decides, when the research would make it first (a budget of one round: speed)
-        and the question needs no conversation to stand alone. It writes no event: the
-        research shows it as its own search when it takes it (`_ahead`), and one not
-        taken is cancelled, never awaited."""
+    def _start_ahead(self, sources: WebSources, allowed: tuple[str, ...]) -> None:
+        """Start, to run while the classifier decides, what the research would start
+        with for the question as asked: its web search (a budget of one round: speed),
+        else its first round's model call. Neither writes an event: the research shows
+        it as its own when it takes it, and one not taken is cancelled, never awaited."""
         svc, req = self.services, self.request
         researcher = svc.researcher
-        budget = budget_of(researcher.settings, sources.budget or req.optimization_mode)
-        if history or budget.rounds > 1 or "web" not in heuristic(req.content, allowed).sources:
+        mode = sources.budget or req.optimization_mode
+        kinds = heuristic(req.content, allowed).sources
+        if budget_of(researcher.settings, mode).rounds > 1:
+            self._planned = researcher.plan_ahead(
+                self.out,
+                req.content,
+                mode,
+                kinds=kinds,
+                scope=sources.scope,
+                files=self.files if "files" in kinds else (),
+                collections=self.collections,
+                timings=self.timings,
+            )
+            return
+        if "web" not in kinds:
             return
         web, query = researcher.web, req.content[:400]  # as the research's search cuts it
 
@@ -428,11 +442,14 @@ class Generation:
         self._ahead_span = span
 
     def _drop_ahead(self) -> None:
-        """Cancel the search started ahead, unless the research took it."""
+        """Cancel what was started ahead, unless the research took it."""
         for search in self._ahead.values():
             search.cancel()
             self._ahead_span["dropped"] = True
         self._ahead.clear()
+        if self._planned is not None:
+            self._planned.drop()
+            self._planned = None
 
     def _room(self) -> int:
         """The tokens (`tokens_in`) the answer's prompt may hold: the model's window
@@ -497,6 +514,7 @@ class Generation:
         searched: frozenset[str] = frozenset()
         if web and mode.sources is not None and self.decision is not None:
             ahead, self._ahead = self._ahead, {}
+            planned, self._planned = self._planned, None
             with self.timings.span("research"):
                 gathered = await svc.researcher.find_sources(
                     self.out,
@@ -510,6 +528,7 @@ class Generation:
                     filters=req.search,
                     timings=self.timings,
                     prefetched=ahead,
+                    planned=planned,
                 )
             pinned = gathered.results[: gathered.pinned]
             results = gathered.results[gathered.pinned :]

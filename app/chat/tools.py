@@ -27,7 +27,7 @@ import orjson
 from ..config import ReaderSettings, SearchSettings, UploadSettings
 from ..errors import AppError, SearchError
 from ..files.service import FileService
-from ..model import ToolCall
+from ..model import ToolCall, ToolTurn
 from ..results import RECENCY, SearchFilters, SearchResult, in_domain
 from ..search.base import SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
@@ -114,6 +114,10 @@ class Research:
     searched: set[str] = field(default_factory=set)  # "files", "collection"
     #: where the time of its searches and reads is recorded
     timings: Timings = field(default_factory=Timings)
+    #: the first round's model call, made before the research (`Researcher.plan_ahead`)
+    planned: asyncio.Task[ToolTurn] | None = None
+    #: page reads that go on beside the next round, awaited before the answer
+    reading: list[asyncio.Task[str]] = field(default_factory=list)
     #: web searches started before the research (the question searched while it was
     #: classified), by query: a `web_search` of that query takes its results
     prefetched: dict[str, asyncio.Future[list[SearchResult]]] = field(default_factory=dict)
@@ -138,7 +142,8 @@ class Research:
 
 
 class Tool(Protocol):
-    """One tool the model may call."""
+    """One tool the model may call. One whose class says `overlaps = True` (reading
+    pages) may still run while the next round is asked (`Tools.overlaps`)."""
 
     @property
     def name(self) -> str: ...
@@ -176,6 +181,11 @@ class Tools:
     def schemas(self, job: Research) -> list[dict[str, Any]]:
         """The schemas of the tools `job` may use, to offer the model."""
         return [tool.schema for tool in self._tools.values() if tool.offered(job)]
+
+    def overlaps(self, call: ToolCall) -> bool:
+        """Whether the next round may be asked while `call` still runs: a tool whose
+        `overlaps` is true (reading pages), whose answer the model can do without."""
+        return bool(getattr(self._tools.get(call.name), "overlaps", False))
 
     async def run(self, job: Research, call: ToolCall) -> str:
         """Run one call; what it found, in words for the model."""
@@ -292,6 +302,7 @@ class ReadPages:
     """`read_url`: whole pages, where the web may be searched."""
 
     name = "read_url"
+    overlaps = True  # the next round goes on while pages are read
     schema = function_schema(
         "read_url",
         "Read whole pages (at most 3) whose snippets look promising.",
