@@ -20,7 +20,9 @@ best pages at once, then is done; quality searches three angles at once, reads t
 pages at once, then is done; `deep` does what quality does, then searches two more
 angles and reads two more pages. A server without the agent runs its own fixed
 pipeline on the same question. Figures are medians of `--questions`; `first token
-ms` is from the request to the first answer token the client reads.
+ms` is from the request to the first answer token the client reads, `answer asked
+ms` the server's own count (`messageEnd.timings`) of when it asked the model for the
+answer.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ async def one(
         standalone = f"how do methane rockets burn it, question {i} #wait={wait}"
     model.replies[0] = (CLASSIFY, decision(standalone))
     started = time.perf_counter()
-    first = end = classified = 0.0
+    first = end = classified = asked_at = 0.0
     async with client.stream("POST", "/api/chat/sse", json=body) as response:
         async for item in iter_sse(response):
             if not isinstance(item, SseEvent):
@@ -114,14 +116,23 @@ async def one(
                 first = time.perf_counter() - started
             if item.type in ("messageEnd", "error"):
                 end = time.perf_counter() - started
-    calls = [r for r in model.requests[asked:] if "input" not in r]  # not embeddings
+                spans = item.data.get("timings") or []
+                asked_at = next(
+                    (t["startMs"] for t in spans if t["stage"] == "modelFirstByte"), 0.0
+                )
+    calls = [  # not embeddings, nor the chat's title (written after the end, or not yet)
+        r
+        for r in model.requests[asked:]
+        if "input" not in r and "Write a title" not in str(r["messages"][0]["content"])
+    ]
     return {
-        "calls": len(calls) - 1,  # the title is written after the end
+        "calls": len(calls),
         "searches": len(search.queries) - searched,
         "reads": len(search.pages_read) - read,
         "classified": classified * 1000,  # 0: no classifier step (or none sent)
         "first": first * 1000,
         "end": end * 1000,
+        "asked": asked_at,  # the server's own count: when the answer was asked of the model
     }
 
 
@@ -232,17 +243,19 @@ def main() -> None:
     )
     print(
         "| server | mode | model calls | searches | reads | classified ms "
-        "| first token ms | end ms |"
+        "| answer asked ms | first token ms | end ms |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode in MODES:
         for target in targets:
             runs = found[(target.name, mode)]
             m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             classified = f"{m['classified']:.0f}" if m["classified"] else "—"
+            asked = f"{m['asked']:.1f}" if m["asked"] else "—"  # "—": no timings sent
             print(
                 f"| {target.name} | {mode} | {m['calls']:.0f} | {m['searches']:.0f} | "
-                f"{m['reads']:.0f} | {classified} | {m['first']:.0f} | {m['end']:.0f} |"
+                f"{m['reads']:.0f} | {classified} | {asked} | {m['first']:.0f} | "
+                f"{m['end']:.0f} |"
             )
 
 
