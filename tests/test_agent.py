@@ -55,7 +55,7 @@ async def ask(settings, body, **replace):
 
 async def test_a_greeting_is_answered_without_searching(settings, fake_model, fake_search):
     events = await ask(settings, web("hello!"))
-    assert fake_search.queries == []
+    assert fake_search.queries == [] and fake_model.tool_requests() == []  # nothing ahead
     assert "sources" not in [e.type for e in events]
     (step,) = steps(events, "classify")
     assert step["skipSearch"] is True and step["status"] == "done"

@@ -409,7 +409,10 @@ class Generation:
         svc, req = self.services, self.request
         researcher = svc.researcher
         mode = sources.budget or req.optimization_mode
-        kinds = heuristic(req.content, allowed).sources
+        guess = heuristic(req.content, allowed)
+        if guess.skip_search:
+            return  # a greeting: the classifier does not even ask the model
+        kinds = guess.sources
         if budget_of(researcher.settings, mode).rounds > 1:
             self._planned = researcher.plan_ahead(
                 self.out,
