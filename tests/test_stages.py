@@ -226,3 +226,25 @@ async def test_a_follow_up_waits_for_its_standalone_question_before_its_first_ro
     (asked,) = fake_model.tool_requests()
     assert asked["messages"][-1]["content"] == standalone
     assert [t.get("speculative") for t in spans(events, "round")] == [None]
+
+
+async def test_a_read_goes_on_beside_the_next_round_and_reaches_the_answer(
+    settings, fake_model, fake_search
+):
+    decided(fake_model)
+    fake_search.page_delay[3] = 0.5  # still reading when the next round is asked
+    fake_model.tool_rounds[:] = [
+        [("read_url", {"urls": [fake_search.base_url + "/pages/3"]})],
+        [("done", {})],
+    ]
+
+    events = await ask(settings, web(mode="balanced"))
+
+    (read,) = spans(events, "read")
+    second = spans(events, "round")[-1]
+    assert second["n"] == 2 and second["startMs"] < read["endMs"]  # asked while reading
+    told = fake_model.tool_requests()[1]["messages"][-1]
+    assert told["role"] == "tool" and "still reading" in told["content"]
+    assert "FULLTEXT-3" in fake_model.last_system_prompt()  # the answer waited for the page
+    assert read["endMs"] <= spans(events, "modelFirstByte")[0]["startMs"]
+    assert [s["status"] for s in steps(events, "read")] == ["running", "done"]
