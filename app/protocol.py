@@ -417,6 +417,8 @@ def render_simple(event: Event) -> dict[str, Any] | None:
             meta["questionMessageId"] = data["questionMessageId"]
         if "usage" in data:
             meta["usage"] = data["usage"]
+        if "timings" in data:
+            meta["timings"] = data["timings"]
         content = "query " + meta["status"]
     else:
         meta["key"] = data.get("key", "INTERNAL")

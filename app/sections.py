@@ -211,6 +211,11 @@ class ResearchSettings:
     classify_seconds: float = 10.0
     #: what the answer's prompt may hold, in tokens (0: llm.context_tokens)
     context_tokens: int = 0
+    #: ask the first research round's model call while the classifier decides (the first
+    #: question of balanced, quality and deepResearch): the first token comes a model
+    #: call sooner; a question the classifier then keeps from search costs that call's
+    #: prompt tokens. Turn it off for a local model server with one slot: the two queue
+    round_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -6,21 +6,30 @@ the fakes' speed.
     python -m bench.search_modes                       # this checkout
     python -m bench.search_modes --old ../old-checkout # and an older one, interleaved
 
-Latencies: every model call waits `--model-ms` (300) before its first byte (a
-completion, a tool round, the answer's stream), every search `--search-ms` (200),
-every page read `--read-ms` (400). Each server runs as its own `python -m app`
-process on the same fakes, configured by environment. The research agent's rounds
-are scripted in the fake model's tool calls: balanced searches two angles at once,
-then reads the two best pages at once, then is done; quality searches three angles
-at once, reads three pages at once, then is done; `deep` (focusMode deepResearch)
-does what quality does, then searches two more angles and reads two more pages. A server without the agent runs
-its own fixed pipeline on the same question. Figures are medians of `--questions`.
+Latencies: the main model waits `--model-ms` (400) before its first byte (the
+answer's stream, a research round), the small model `--small-ms` (300) a call (the
+classifier, a rewrite, the quality pick), every search `--search-ms` (250), every
+page read `--read-ms` (300). Each server runs as its own `python -m app` process on
+the same fakes, configured by environment. The cases: `speed` (a first question),
+`speed follow-up` (the same with a conversation before it: the classifier names the
+standalone question, which is searched), `balanced`, `quality`, `deep` (focusMode
+deepResearch) and `chat` (a mode without sources, writingAssistant). The classifier
+keeps a first question as asked. The research agent's rounds are scripted in the
+fake model's tool calls: balanced searches two angles at once, then reads the two
+best pages at once, then is done; quality searches three angles at once, reads three
+pages at once, then is done; `deep` does what quality does, then searches two more
+angles and reads two more pages. A server without the agent runs its own fixed
+pipeline on the same question. Figures are medians of `--questions`; `first token
+ms` is from the request to the first answer token the client reads, `answer asked
+ms` the server's own count (`messageEnd.timings`) of when it asked the model for the
+answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -36,7 +45,14 @@ from tests.fakes.model import FakeModel
 from tests.fakes.search import RELEVANT_QUESTION, RESULT_COUNT, FakeSearch
 from tests.servers import ROOT, free_port, serve, wait_for_port
 
-MODES = ("speed", "balanced", "quality", "deep")  # deep: focusMode deepResearch
+#: deep: focusMode deepResearch; chat: a mode without sources
+MODES = ("speed", "speed follow-up", "balanced", "quality", "deep", "chat")
+CLASSIFY = "Standalone question and decision (JSON)"
+HISTORY = [["human", "which rockets burn methane?"], ["assistant", "Starship and Vulcan do."]]
+
+
+def decision(question: str) -> str:
+    return json.dumps({"skipSearch": False, "sources": ["web"], "question": question})
 
 
 def script(model: FakeModel, search: FakeSearch, mode: str) -> None:
@@ -70,15 +86,25 @@ async def one(
 ) -> dict[str, float]:
     script(model, search, mode)
     asked, searched, read = len(model.requests), len(search.queries), len(search.pages_read)
-    body = {
+    # long enough for a rewrite (or the classifier) to be asked for, as most are
+    question = f"{RELEVANT_QUESTION} in detail, question {i}"
+    body: dict[str, object] = {
         "userId": "1",
-        "focusMode": "deepResearch" if mode == "deep" else "webSearch",
-        "optimizationMode": "quality" if mode == "deep" else mode,
-        # long enough for a rewrite (or the classifier) to be asked for, as most are
-        "message": {"content": f"{RELEVANT_QUESTION} in detail, question {i} #wait={wait}"},
+        "focusMode": {"deep": "deepResearch", "chat": "writingAssistant"}.get(mode, "webSearch"),
+        "optimizationMode": {"deep": "quality", "speed follow-up": "speed", "chat": "speed"}.get(
+            mode, mode
+        ),
+        "message": {"content": f"{question} #wait={wait}"},
     }
+    # the classifier keeps a first question as asked; a follow-up's stands alone
+    standalone = f"{question} #wait={wait}"
+    if mode == "speed follow-up":
+        body["history"] = HISTORY
+        body["message"] = {"content": f"and how do they burn it, question {i} #wait={wait}"}
+        standalone = f"how do methane rockets burn it, question {i} #wait={wait}"
+    model.replies[0] = (CLASSIFY, decision(standalone))
     started = time.perf_counter()
-    first = end = classified = 0.0
+    first = end = classified = asked_at = 0.0
     async with client.stream("POST", "/api/chat/sse", json=body) as response:
         async for item in iter_sse(response):
             if not isinstance(item, SseEvent):
@@ -90,14 +116,23 @@ async def one(
                 first = time.perf_counter() - started
             if item.type in ("messageEnd", "error"):
                 end = time.perf_counter() - started
-    calls = [r for r in model.requests[asked:] if "input" not in r]  # not embeddings
+                spans = item.data.get("timings") or []
+                asked_at = next(
+                    (t["startMs"] for t in spans if t["stage"] == "modelFirstByte"), 0.0
+                )
+    calls = [  # not embeddings, nor the chat's title (written after the end, or not yet)
+        r
+        for r in model.requests[asked:]
+        if "input" not in r and "Write a title" not in str(r["messages"][0]["content"])
+    ]
     return {
-        "calls": len(calls) - 1,  # the title is written after the end
+        "calls": len(calls),
         "searches": len(search.queries) - searched,
         "reads": len(search.pages_read) - read,
         "classified": classified * 1000,  # 0: no classifier step (or none sent)
         "first": first * 1000,
         "end": end * 1000,
+        "asked": asked_at,  # the server's own count: when the answer was asked of the model
     }
 
 
@@ -153,14 +188,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--questions", type=int, default=5)
-    parser.add_argument("--model-ms", type=float, default=300)
-    parser.add_argument("--search-ms", type=float, default=200)
-    parser.add_argument("--read-ms", type=float, default=400)
+    parser.add_argument("--model-ms", type=float, default=400, help="main model's first byte")
+    parser.add_argument("--small-ms", type=float, default=300, help="a small model's call")
+    parser.add_argument("--search-ms", type=float, default=250)
+    parser.add_argument("--read-ms", type=float, default=300)
     parser.add_argument("--old", type=Path, help="an older checkout to compare with")
     args = parser.parse_args()
     model, search = FakeModel(), FakeSearch()
-    model.reply_delay = model.tool_delay = args.model_ms / 1000
+    model.reply_delay, model.tool_delay = args.small_ms / 1000, args.model_ms / 1000
     model.replies.insert(0, ("pick the search results", "<output>0,1,2,3,4,5</output>"))
+    model.replies.insert(0, (CLASSIFY, decision(RELEVANT_QUESTION)))  # set per question
     search.search_delay = args.search_ms / 1000
     search.page_delay.update({n: args.read_ms / 1000 for n in range(RESULT_COUNT)})
     with (
@@ -200,22 +237,25 @@ def main() -> None:
             for target in targets:
                 target.__exit__()
     print(
-        f"model {args.model_ms:.0f} ms a call, search {args.search_ms:.0f} ms, "
+        f"main model {args.model_ms:.0f} ms to its first byte, small model "
+        f"{args.small_ms:.0f} ms a call, search {args.search_ms:.0f} ms, "
         f"read {args.read_ms:.0f} ms; medians of {args.questions} questions\n"
     )
     print(
         "| server | mode | model calls | searches | reads | classified ms "
-        "| first token ms | end ms |"
+        "| answer asked ms | first token ms | end ms |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode in MODES:
         for target in targets:
             runs = found[(target.name, mode)]
             m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             classified = f"{m['classified']:.0f}" if m["classified"] else "—"
+            asked = f"{m['asked']:.1f}" if m["asked"] else "—"  # "—": no timings sent
             print(
                 f"| {target.name} | {mode} | {m['calls']:.0f} | {m['searches']:.0f} | "
-                f"{m['reads']:.0f} | {classified} | {m['first']:.0f} | {m['end']:.0f} |"
+                f"{m['reads']:.0f} | {classified} | {asked} | {m['first']:.0f} | "
+                f"{m['end']:.0f} |"
             )
 
 

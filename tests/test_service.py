@@ -56,7 +56,12 @@ def ask(content: str, **fields: Any) -> ChatRequest:
 async def test_a_plain_answer_is_numbered_events_from_empty_message_to_end(service, fake_model):
     handle = await service.start(ask("hello", chat_id="100", message_id="101"))
     assert (handle.chat_id, handle.question_id) == ("100", "101")
-    assert await record(service, handle) == [
+    events = await record(service, handle)
+    # where the time went: the model's first byte, then the first token out
+    timings = events[-1][2].pop("timings")
+    assert [t["stage"] for t in timings] == ["modelFirstByte", "firstToken"]
+    assert timings[0]["endMs"] == timings[1]["startMs"] >= timings[0]["startMs"]
+    assert events == [
         (1, "message", {"data": ""}),
         (2, "reasoning", {"data": "why0 "}),
         (3, "reasoning", {"data": "why1 "}),
@@ -147,6 +152,8 @@ async def test_cancel_mid_answer_ends_cancelled_and_keeps_the_partial_answer(ser
     events.extend(await record(service, handle, after=events[-1][0]))
     kind, end = events[-1][1:]
     usage = end.pop("usage")  # the model never said: estimated from what it sent
+    stages = [t["stage"] for t in end.pop("timings")]
+    assert stages == ["modelFirstByte", "firstToken"]
     assert (kind, end) == (
         "messageEnd",
         {

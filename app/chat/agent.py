@@ -9,7 +9,10 @@ within its optimization mode's budget, and every step is streamed.
 A round is one model call that asks for tools — `web_search`, `academic_search`,
 `discussion_search`, `read_url`, `search_files`, `search_collection`, `done`: objects
 held in one registry (`tools.Tools`), with the tools of the configured MCP servers
-(`<server>__<tool>`) — and the calls it made, run concurrently. The
+(`<server>__<tool>`) — and the calls it made, run concurrently; a
+page read still running when the round's other calls are done goes on beside the next
+round (the model has the page's snippet; the answer gets its text), and every read
+has ended, or met the deadline, before the answer is asked. The
 loop ends at `done`, at the budget, or when a round brings nothing. Models without tool calling (a 400 naming tools, or no call
 where one was required) get the same loop through a JSON-in-text planner prompt; the
 verdict is kept per model for the process. Every model call has a deadline
@@ -27,9 +30,10 @@ calls in flight are closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -37,16 +41,18 @@ from typing import Any
 import json_repair
 import orjson
 
+from ..chores import cancel_and_wait
 from ..config import Settings
 from ..errors import AppError
 from ..files.service import FileService
 from ..mcp_client import McpServers
-from ..model import ChatModel, ToolCall, ToolsUnsupported, tokens_in
+from ..model import ChatModel, ToolCall, ToolsUnsupported, ToolTurn, tokens_in
 from ..prompts import Prompts
 from ..results import SearchFilters, SearchResult
 from ..search.base import SearchScope
 from ..search.web import Progress, WebSearch, until_deadline
 from ..store import FileRecord
+from ..timings import Timings
 from .mcp_tools import McpTools
 from .tools import MAX_READS, RESULT_CHARS, Research, Steps, research_tools
 
@@ -90,6 +96,24 @@ class Gathered:
     results: list[SearchResult]
     pinned: int = 0
     searched: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """The first round's model call, started before the research (beside the
+    classifier) for `question` with the sources `kinds`."""
+
+    question: str
+    kinds: tuple[str, ...]
+    servers: frozenset[str]
+    turn: asyncio.Task[ToolTurn]
+    span: dict[str, Any]
+
+    def drop(self) -> None:
+        """Not needed after all: cancelled, never awaited."""
+        if not self.turn.done():
+            self.turn.cancel()
+        self.span["dropped"] = True
 
 
 class Researcher:
@@ -138,10 +162,16 @@ class Researcher:
         collections: Callable[[str], Awaitable[list[SearchResult]]] | None = None,
         filters: SearchFilters | None = None,
         servers: Sequence[str] = (),
+        timings: Timings | None = None,
+        prefetched: Mapping[str, asyncio.Future[list[SearchResult]]] | None = None,
+        planned: Planned | None = None,
     ) -> Gathered:
         """The sources for `question`, pasted pages first; none when nothing was found.
-        Every web search and every page read is kept to `filters`; the MCP servers
-        `servers` are offered beside the default ones."""
+        Every web search and every page read is kept to `filters`, and timed in
+        `timings`; the MCP servers `servers` are offered beside the default ones. A
+        search of `prefetched` (by query, started with this `scope` and `filters`) is
+        taken when the research asks for it; the others are cancelled, as is a
+        `planned` first round (`plan_ahead`) that the research does not take."""
         budget = budget_of(self.settings, mode)
         loop = asyncio.get_running_loop()
         job = Research(
@@ -154,7 +184,30 @@ class Researcher:
             loop.time() + budget.seconds,
             filters,
             servers=frozenset(servers),
+            timings=timings or Timings(),
+            prefetched=dict(prefetched or {}),
         )
+        fits = planned is not None and (planned.question, planned.kinds, planned.servers) == (
+            question,
+            job.kinds,
+            job.servers,
+        )
+        if planned is not None and fits:
+            job.planned = planned.turn
+        try:
+            return await self._gather(job, out, mode, budget, urls)
+        finally:
+            for search in job.prefetched.values():
+                search.cancel()  # not needed after all: never awaited
+            if planned is not None and not (fits and job.planned is None):
+                planned.drop()  # not taken by the first round
+            # cut off (a cancel, an error): what still reads is closed, its step ended
+            await asyncio.shield(cancel_and_wait(job.reading))
+
+    async def _gather(
+        self, job: Research, out: Progress, mode: str, budget: Budget, urls: Sequence[str]
+    ) -> Gathered:
+        loop = asyncio.get_running_loop()
         if urls:
             await self.pages.read(job, list(urls)[:MAX_READS])
             job.reads = 0  # what the user pasted; the model has read nothing yet
@@ -163,6 +216,7 @@ class Researcher:
             await self._first_search(job)
         else:
             await self._rounds(job, budget)
+            await until_deadline([_awaited(t) for t in job.reading], job.deadline)
             if not job.searches and len(job.found) == len(pinned):
                 await self._first_search(job)  # the planner did nothing: one plain search
             found = list(job.found.values())
@@ -171,7 +225,8 @@ class Researcher:
                 # the model read nothing: ranked and read as the mode does without it
                 others = [r for r in found[len(pinned) :] if r not in web]
                 how = "quality" if mode == "deep" else mode  # deep research reads like quality
-                refined = await self.web.refine(out, job.question, how, web, job.deadline)
+                with job.timings.span("refine"):
+                    refined = await self.web.refine(out, job.question, how, web, job.deadline)
                 return Gathered([*pinned, *refined, *others], len(pinned), frozenset(job.searched))
         return Gathered(list(job.found.values()), len(pinned), frozenset(job.searched))
 
@@ -188,9 +243,60 @@ class Researcher:
             calls.append(self.tools.run(job, ToolCall("first", tool, _args(query=job.question))))
         await asyncio.gather(*calls)
 
-    async def _rounds(self, job: Research, budget: Budget) -> None:
-        model = self.settings.llm.model
-        tools = self.tools.schemas(job)
+    def plan_ahead(
+        self,
+        out: Progress,
+        question: str,
+        mode: str,
+        *,
+        kinds: Sequence[str],
+        scope: SearchScope | None,
+        files: Sequence[FileRecord],
+        collections: Callable[[str], Awaitable[list[SearchResult]]] | None,
+        timings: Timings,
+        servers: Sequence[str] = (),
+    ) -> Planned | None:
+        """Start the first round's model call for `question` before the research is
+        asked (beside the classifier), for `find_sources(planned=…)` to take when it
+        researches the same question with the same sources; None for a budget of one
+        round, or a model that plans in JSON. It writes no event: the first round
+        shows it as its own when it takes it."""
+        budget = budget_of(self.settings, mode)
+        research = self.settings.research
+        if (
+            not research.round_ahead
+            or budget.rounds <= 1
+            or self.settings.llm.model in self.no_tools
+        ):
+            return None
+        steps = Steps(out, self.settings.stream.max_event_bytes)
+        job = Research(
+            question,
+            steps,
+            tuple(kinds),
+            scope,
+            files,
+            collections,
+            0.0,
+            servers=frozenset(servers),
+        )
+        messages, tools = self._opening(job, budget)
+        span = timings.start("round", n=1, speculative=True)
+
+        async def turn() -> ToolTurn:
+            try:
+                return await self.llm.tool_turn(messages, tools)
+            finally:
+                timings.end(span)
+
+        task = asyncio.create_task(turn())
+        task.add_done_callback(_retrieved)
+        return Planned(question, job.kinds, job.servers, task, span)
+
+    def _opening(
+        self, job: Research, budget: Budget
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The first round's messages, and the tools offered in every round."""
         messages: list[dict[str, Any]] = [
             {
                 "role": "system",
@@ -200,6 +306,11 @@ class Researcher:
             },
             {"role": "user", "content": job.question},
         ]
+        return messages, self.tools.schemas(job)
+
+    async def _rounds(self, job: Research, budget: Budget) -> None:
+        model = self.settings.llm.model
+        messages, tools = self._opening(job, budget)
         offered = {t["function"]["name"] for t in tools}
         loop = asyncio.get_running_loop()
         for n in range(1, budget.rounds + 1):
@@ -212,7 +323,10 @@ class Researcher:
                 "round", f"round {n} of {budget.rounds}", n=n, of=budget.rounds
             ) as step:
                 ends = loop.time() + min(remaining, self.settings.research.round_seconds)
-                calls = await self._plan(job, messages, tools, n, budget, ends, model)
+                # a first round started ahead is timed as it was made
+                timed = job.planned is None or n > 1
+                with job.timings.span("round", n=n) if timed else contextlib.nullcontext():
+                    calls = await self._plan(job, messages, tools, n, budget, ends, model)
                 if calls is None:
                     job.steps.end(step, f"round {n}: the model gave no plan", "failed", n=n)
                     break
@@ -225,7 +339,7 @@ class Researcher:
                     job.steps.end(step, f"round {n}: enough found", n=n, calls=0)
                     break
                 before = len(job.found)
-                answers = await until_deadline([self.tools.run(job, c) for c in work], job.deadline)
+                answers = await self._run(job, work)
                 if model not in self.no_tools:
                     messages.append(_assistant(work))
                     messages.extend(
@@ -239,6 +353,31 @@ class Researcher:
             if any(c.name == "done" for c in calls):
                 break
 
+    async def _run(self, job: Research, calls: Sequence[ToolCall]) -> list[str | None]:
+        """A round's calls, run concurrently until the research's deadline; what each
+        told the model. A call the next round can do without (a page read: the model
+        has the page's snippet, the answer gets its text) that is still running when
+        the others are done goes on beside the next round (`job.reading`), and the
+        model is told so."""
+        tasks = [asyncio.create_task(self.tools.run(job, c)) for c in calls]
+        beside = [self.tools.overlaps(c) for c in calls]
+        waited = [t for t, b in zip(tasks, beside, strict=True) if not b]
+        try:
+            answers = await until_deadline([_awaited(t) for t in waited], job.deadline)
+        except BaseException:
+            await asyncio.shield(cancel_and_wait(tasks))
+            raise
+        told: list[str | None] = []
+        for task, overlaps in zip(tasks, beside, strict=True):
+            if not overlaps:
+                told.append(answers.pop(0))
+            elif not task.done():
+                job.reading.append(task)
+                told.append("still reading: the pages' text goes to the answer")
+            else:
+                told.append(_result(task))
+        return told
+
     async def _plan(
         self,
         job: Research,
@@ -251,10 +390,11 @@ class Researcher:
     ) -> list[ToolCall] | None:
         """This round's calls (a `done` call among them to stop), or None when the model
         could not plan (failed, too late, nothing readable) by the loop time `ends`."""
+        planned, job.planned = job.planned, None
         if model not in self.no_tools:
             try:
                 async with asyncio.timeout_at(ends):
-                    turn = await self.llm.tool_turn(messages, tools)
+                    turn = await (planned or self.llm.tool_turn(messages, tools))
             except ToolsUnsupported:
                 log.info("model %s refused tools: it plans in JSON from now on", model)
                 self.no_tools.add(model)
@@ -342,6 +482,30 @@ def parse_plan(text: str, tools: set[str]) -> list[ToolCall] | None:
         if name in tools and isinstance(args, dict):
             calls.append(ToolCall(f"plan-{i}", str(name), orjson.dumps(args).decode()))
     return calls or None
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A call made ahead fails where it is awaited; one never awaited, quietly."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _awaited(task: asyncio.Task[str]) -> str:
+    return await task
+
+
+def _result(task: asyncio.Task[str]) -> str | None:
+    """A call's answer; None when it failed (logged)."""
+    if task.cancelled():
+        return None
+    exc = task.exception()
+    if exc is None:
+        return task.result()
+    if isinstance(exc, AppError):
+        log.warning("a research call failed: %s", exc.message)
+    else:
+        log.error("a research call failed", exc_info=exc)
+    return None
 
 
 def _args(**values: Any) -> str:

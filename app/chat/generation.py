@@ -31,7 +31,8 @@ from ..search.web import (
 )
 from ..store import Checkpoint, FileRecord, Saved, Usage
 from ..streams import LogWriter
-from .agent import context_tokens
+from ..timings import Timings
+from .agent import Planned, budget_of, context_tokens
 from .classify import SOURCE_KINDS, Decision, classify, heuristic
 from .fitting import (
     MESSAGE_TOKENS,
@@ -95,6 +96,18 @@ class Generation:
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
         self._requested = 0.0  # when the answer was asked of the model
+        #: the spans of its stages, sent in `messageEnd` and logged
+        self.timings = Timings(self.accepted_at)
+        self._model_span: dict[str, Any] = {}
+        #: the question's web search, started while the classifier decides (speed's
+        #: first question): taken by the research, or cancelled
+        self._ahead: dict[str, asyncio.Future[list[SearchResult]]] = {}
+        self._ahead_span: dict[str, Any] = {}
+        #: the research's first round, started while the classifier decides (the first
+        #: question of a mode with rounds): taken by the research, or cancelled
+        self._planned: Planned | None = None
+        #: the rewrite of a question that nothing searches for, made beside the answer
+        self._rewriting: asyncio.Future[None] | None = None
         self._most = text_chars(services.settings.stream.max_event_bytes)
         self._progress = Progress()
         self.work = asyncio.get_running_loop().create_task(
@@ -156,6 +169,14 @@ class Generation:
         return AppError("internal error")
 
     async def _generate(self) -> None:
+        try:
+            await self._generate_answer()
+        finally:
+            self._drop_ahead()
+            if self._rewriting is not None:
+                self._rewriting.cancel()
+
+    async def _generate_answer(self) -> None:
         svc, req = self.services, self.request
         if req.history is not None and not self.regenerate:
             history = list(req.history)
@@ -169,15 +190,11 @@ class Generation:
         if isinstance(mode.sources, WebSources) and mode.sources.applies(req):
             self.decision = await self._classify(mode.sources, history)
         elif len(req.content) > REWRITE_MIN_CHARS or history:
-            self.rewritten = await rewrite(
-                svc.llm,
-                svc.prompts,
-                req.content,
-                history,
-                timeout=svc.settings.research.classify_seconds,
-            )
-            if self.rewritten:
-                self.out.emit("rewrited", content=self.rewritten)
+            if self.files or self.collections is not None or req.images:
+                await self._rewrite(history)  # what they search for
+            else:
+                # the answer is asked with the question as written: nothing waits for it
+                self._rewriting = asyncio.ensure_future(self._rewrite(history))
 
         question = self.rewritten or req.content
         images = asyncio.ensure_future(svc.search.images(question, IMAGES)) if req.images else None
@@ -197,6 +214,22 @@ class Generation:
         if req.related:
             related = await self._related(history)
             self.extras["relatedQuestions"] = [q[:RELATED_CHARS] for q in related]
+        if self._rewriting is not None:
+            await self._rewriting  # saved with the answer
+
+    async def _rewrite(self, history: list[tuple[str, str]]) -> None:
+        """The standalone question (`rewritten`), sent as `rewrited` when it differs."""
+        svc, req = self.services, self.request
+        with self.timings.span("rewrite"):
+            self.rewritten = await rewrite(
+                svc.llm,
+                svc.prompts,
+                req.content,
+                history,
+                timeout=svc.settings.research.classify_seconds,
+            )
+        if self.rewritten:
+            self.out.emit("rewrited", content=self.rewritten)
 
     async def _related(self, history: list[tuple[str, str]]) -> list[str]:
         """Follow-up questions to the answer; none when the model cannot say."""
@@ -271,7 +304,8 @@ class Generation:
         by `_take`, called by the model client as it reads them (on a direct
         connection, in the callback that read the bytes: no task wakes per token)."""
         self._requested = time.monotonic()
-        await self.services.llm.answer(messages, self._take, model=self.request.model)
+        with self.timings.span("modelFirstByte") as self._model_span:
+            await self.services.llm.answer(messages, self._take, model=self.request.model)
 
     def _take(self, delta: Delta) -> None:
         """One delta of the answer into the log. A piece of text too big for one event
@@ -280,9 +314,11 @@ class Generation:
         kind = delta.kind
         if not self.first_token_at and kind != "keepalive":
             svc = self.services
-            self.first_token_at = time.monotonic()
-            svc.metrics.upstream_latency.observe(self.first_token_at - self._requested)
-            svc.metrics.time_to_first_token.observe(self.first_token_at - self.accepted_at)
+            self.first_token_at = now = time.monotonic()
+            svc.metrics.upstream_latency.observe(now - self._requested)
+            svc.metrics.time_to_first_token.observe(now - self.accepted_at)
+            self.timings.end(self._model_span, at=now)
+            self.timings.mark("firstToken", at=now)
         if kind == "content":
             self.content.append(delta.text)
             if len(delta.text) <= self._most:
@@ -333,14 +369,21 @@ class Generation:
             )
             return decision
         if worth_asking:
-            decision = await classify(
-                svc.llm,
-                svc.prompts,
-                req.content,
-                history,
-                allowed,
-                timeout=svc.settings.research.classify_seconds,
-            )
+            if not history:  # a follow-up needs its standalone question first
+                self._start_ahead(sources, allowed)
+            with self.timings.span("classify"):
+                decision = await classify(
+                    svc.llm,
+                    svc.prompts,
+                    req.content,
+                    history,
+                    allowed,
+                    timeout=svc.settings.research.classify_seconds,
+                )
+            if decision.skip_search or decision.question != req.content:
+                self._drop_ahead()  # not needed, or made for another question
+            elif "web" not in decision.sources and self._ahead:
+                self._drop_ahead()  # a web search, where other kinds of sources are asked
         else:
             decision = heuristic(req.content, allowed)
         if decision.rewritten:
@@ -358,6 +401,60 @@ class Generation:
                 step={"id": "classify-0", "kind": "classify", "status": "done", **decision.step()},
             )
         return decision
+
+    def _start_ahead(self, sources: WebSources, allowed: tuple[str, ...]) -> None:
+        """Start, to run while the classifier decides, what the research would start
+        with for the question as asked: its web search (a budget of one round: speed),
+        else its first round's model call. Neither writes an event: the research shows
+        it as its own when it takes it, and one not taken is cancelled, never awaited."""
+        svc, req = self.services, self.request
+        researcher = svc.researcher
+        mode = sources.budget or req.optimization_mode
+        guess = heuristic(req.content, allowed)
+        if guess.skip_search:
+            return  # a greeting: the classifier does not even ask the model
+        kinds = guess.sources
+        if budget_of(researcher.settings, mode).rounds > 1:
+            self._planned = researcher.plan_ahead(
+                self.out,
+                req.content,
+                mode,
+                kinds=kinds,
+                scope=sources.scope,
+                files=self.files if "files" in kinds else (),
+                collections=self.collections,
+                timings=self.timings,
+                servers=mcp_servers_named(req.sources),
+            )
+            return
+        if "web" not in kinds:
+            return
+        web, query = researcher.web, req.content[:400]  # as the research's search cuts it
+
+        span = self.timings.start("search", query=query[:100], speculative=True)
+
+        async def search() -> list[SearchResult]:
+            try:
+                return await web.provider.search(
+                    query, web.limit(req.search), sources.scope, req.search
+                )
+            finally:
+                self.timings.end(span)
+
+        ahead = asyncio.ensure_future(search())
+        ahead.add_done_callback(_retrieved)
+        self._ahead[query] = ahead
+        self._ahead_span = span
+
+    def _drop_ahead(self) -> None:
+        """Cancel what was started ahead, unless the research took it."""
+        for search in self._ahead.values():
+            search.cancel()
+            self._ahead_span["dropped"] = True
+        self._ahead.clear()
+        if self._planned is not None:
+            self._planned.drop()
+            self._planned = None
 
     def _room(self) -> int:
         """The tokens (`tokens_in`) the answer's prompt may hold: the model's window
@@ -421,18 +518,24 @@ class Generation:
         results: list[SearchResult] = []
         searched: frozenset[str] = frozenset()
         if web and mode.sources is not None and self.decision is not None:
-            gathered = await svc.researcher.find_sources(
-                self.out,
-                question,
-                mode.sources.budget or req.optimization_mode,
-                kinds=self.decision.sources,
-                scope=mode.sources.scope,
-                urls=self.decision.urls,
-                files=self.files if "files" in self.decision.sources else (),
-                collections=self.collections,
-                filters=req.search,
-                servers=mcp_servers_named(req.sources),
-            )
+            ahead, self._ahead = self._ahead, {}
+            planned, self._planned = self._planned, None
+            with self.timings.span("research"):
+                gathered = await svc.researcher.find_sources(
+                    self.out,
+                    question,
+                    mode.sources.budget or req.optimization_mode,
+                    kinds=self.decision.sources,
+                    scope=mode.sources.scope,
+                    urls=self.decision.urls,
+                    files=self.files if "files" in self.decision.sources else (),
+                    collections=self.collections,
+                    filters=req.search,
+                    timings=self.timings,
+                    prefetched=ahead,
+                    planned=planned,
+                    servers=mcp_servers_named(req.sources),
+                )
             pinned = gathered.results[: gathered.pinned]
             results = gathered.results[gathered.pinned :]
             searched = gathered.searched
@@ -509,6 +612,7 @@ class Generation:
                 **({"usage": usage.to_json()} if usage else {}),
                 **self._chat_model(),
                 **self.extras,
+                **({"timings": timings} if (timings := self.timings.to_json()) else {}),
             )
         try:
             await svc.keeper.save(h.answer_id, saved)
@@ -582,9 +686,17 @@ class Generation:
                     "answerChars": sum(map(len, self.content)),
                     "reasoningChunks": len(self.reasoning),
                     "events": self.out.seq,
+                    "timings": self.timings.to_json(),
                 }
             },
         )
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A search started ahead fails where it is awaited; one never awaited (cancelled
+    or dropped) fails quietly."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -28,11 +28,12 @@ import orjson
 from ..config import ReaderSettings, SearchSettings, UploadSettings
 from ..errors import AppError, SearchError
 from ..files.service import FileService
-from ..model import ToolCall
+from ..model import ToolCall, ToolTurn
 from ..results import RECENCY, SearchFilters, SearchResult, in_domain
 from ..search.base import SearchScope
 from ..search.web import PROVIDER_LABELS, Progress, WebSearch, until_deadline
 from ..store import FileRecord
+from ..timings import Timings
 from .modes import ACADEMIC, DISCUSSIONS
 
 log = logging.getLogger("app.research")
@@ -114,6 +115,15 @@ class Research:
     searched: set[str] = field(default_factory=set)  # "files", "collection"
     #: the MCP servers the request named (`sources: ["mcp:<name>"]`), beside the default ones
     servers: frozenset[str] = frozenset()
+    #: where the time of its searches and reads is recorded
+    timings: Timings = field(default_factory=Timings)
+    #: the first round's model call, made before the research (`Researcher.plan_ahead`)
+    planned: asyncio.Task[ToolTurn] | None = None
+    #: page reads that go on beside the next round, awaited before the answer
+    reading: list[asyncio.Task[str]] = field(default_factory=list)
+    #: web searches started before the research (the question searched while it was
+    #: classified), by query: a `web_search` of that query takes its results
+    prefetched: dict[str, asyncio.Future[list[SearchResult]]] = field(default_factory=dict)
 
     def allows(self, url: str) -> bool:
         """Whether a web page passes the request's domain filter."""
@@ -135,7 +145,8 @@ class Research:
 
 
 class Tool(Protocol):
-    """One tool the model may call."""
+    """One tool the model may call. One whose class says `overlaps = True` (reading
+    pages) may still run while the next round is asked (`Tools.overlaps`)."""
 
     @property
     def name(self) -> str: ...
@@ -199,6 +210,11 @@ class Tools:
         mine = [tool.schema for tool in self._tools.values() if tool.offered(job)]
         theirs = [s for tools in self._sets for s in tools.schemas(job)]
         return mine + [s for s in theirs if s["function"]["name"] not in self._tools]
+
+    def overlaps(self, call: ToolCall) -> bool:
+        """Whether the next round may be asked while `call` still runs: a tool whose
+        `overlaps` is true (reading pages), whose answer the model can do without."""
+        return bool(getattr(self._tools.get(call.name), "overlaps", False))
 
     async def run(self, job: Research, call: ToolCall) -> str:
         """Run one call; what it found, in words for the model."""
@@ -290,11 +306,18 @@ class SearchTheWeb:
             provider=PROVIDER_LABELS.get(provider, provider),
         ) as step:
             job.searches += 1
+            started = None
+            if scope is job.scope and filters is job.filters:
+                started = job.prefetched.pop(query, None)
             try:
                 async with asyncio.timeout(self.timeout):
-                    results = await self.web.provider.search(
-                        query, self.web.limit(filters), scope, filters
-                    )
+                    if started is not None:  # its span is the speculative search's
+                        results = await started
+                    else:
+                        with job.timings.span("search", query=query[:100]):
+                            results = await self.web.provider.search(
+                                query, self.web.limit(filters), scope, filters
+                            )
             except (SearchError, TimeoutError) as exc:
                 why = getattr(exc, "message", None) or "timed out"
                 log.warning("search failed: %s", why)
@@ -311,6 +334,7 @@ class ReadPages:
     """`read_url`: whole pages, where the web may be searched."""
 
     name = "read_url"
+    overlaps = True  # the next round goes on while pages are read
     schema = function_schema(
         "read_url",
         "Read whole pages (at most 3) whose snippets look promising.",
@@ -348,9 +372,10 @@ class ReadPages:
             return "no address to read" if not excluded else "those pages may not be read"
         with job.steps.running("read", f"reading {_pages(len(urls))}", urls=urls) as step:
             job.reads += len(urls)
-            pages = await until_deadline(
-                [self.web.read_page(u, self.timeout) for u in urls], job.deadline
-            )
+            with job.timings.span("read", pages=len(urls)):
+                pages = await until_deadline(
+                    [self.web.read_page(u, self.timeout) for u in urls], job.deadline
+                )
             read = []
             for url, page in zip(urls, pages, strict=True):
                 if page:

@@ -12,4 +12,4 @@
 {"type":"message","data":"tok2 ","messageId":"ANSWER","chatId":"201","eventId":"ANSWER:11"}
 {"type":"message","data":"tok3 ","messageId":"ANSWER","chatId":"201","eventId":"ANSWER:12"}
 {"type":"message","data":"tok4 ","messageId":"ANSWER","chatId":"201","eventId":"ANSWER:13"}
-{"type":"messageEnd","status":"completed","questionMessageId":"202","usage":{"prompt_tokens":191,"completion_tokens":7,"reasoning_tokens":2,"total_tokens":198},"chatModel":{"provider":"default","model":"fake-chat"},"messageId":"ANSWER","chatId":"201","eventId":"ANSWER:14"}
+{"type":"messageEnd","status":"completed","questionMessageId":"202","usage":{"prompt_tokens":191,"completion_tokens":7,"reasoning_tokens":2,"total_tokens":198},"chatModel":{"provider":"default","model":"fake-chat"},"timings":[{"stage":"classify","startMs":0,"endMs":0},{"stage":"research","startMs":0,"endMs":0},{"stage":"search","startMs":0,"endMs":0,"query":"how falcon engines burn methane"},{"stage":"modelFirstByte","startMs":0,"endMs":0},{"stage":"firstToken","startMs":0,"endMs":0}],"messageId":"ANSWER","chatId":"201","eventId":"ANSWER:14"}
