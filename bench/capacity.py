@@ -79,6 +79,7 @@ async def carry(url: str, streams: int, starts_per_second: float, steady: float)
             percentile([r.first_event_s * 1000 for r in results if r.first_event_s], 0.99), 1
         ),
         "elapsed_s": elapsed,
+        "tokens": sum(r.tokens for r in results),
         "latencies_ms": sorted(together)[:: max(1, len(together) // 2000)],
     }
 
@@ -89,6 +90,11 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=0, help="1 or 2; both by default")
     parser.add_argument("--streams", default="400,600,800,1000,1200")
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="one worker with the Redis hub too (two workers always have it)",
+    )
     parser.add_argument("--starts-per-second", type=float, default=50.0)
     parser.add_argument("--steady", type=float, default=15.0)
     parser.add_argument(
@@ -107,9 +113,12 @@ def main() -> None:
         postgres = stack.enter_context(start_postgres()) if args.store == "postgres" else ""
         for workers in [args.workers] if args.workers else [1, 2]:
             store = {"STORE_URL": new_database(postgres)} if postgres else {}
+            # the per-process cap on running answers (500 by default) must not refuse them
+            store["LIMITS_MAX_GENERATIONS_PER_PROCESS"] = str(2 * max(levels))
             if workers == 1:
                 os.sched_setaffinity(0, {int(LOAD_CORE)})
-                server = app_server(model, tmp, **store)
+                hub = {"REDIS_URL": redis} if args.redis else {}
+                server = app_server(model, tmp, **store, **hub)
             else:
                 os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
                 server = app_server(
@@ -119,26 +128,37 @@ def main() -> None:
                 time.sleep(2.0)
                 for streams in levels:
                     server0, load0 = sum(cpu_split(pid)), time.process_time()
+                    load_average = os.getloadavg()[0]
                     row = asyncio.run(carry(url, streams, args.starts_per_second, args.steady))
                     elapsed = row.pop("elapsed_s")
+                    server_s = sum(cpu_split(pid)) - server0
+                    # the server's CPU per token delivered: flat when nothing of it grows
+                    # with the number of streams
+                    row["server_us_per_token"] = round(
+                        server_s / max(row.pop("tokens"), 1) * 1e6, 1
+                    )
+                    row["load_average"] = round(load_average, 2)
                     row["workers"] = workers
-                    row["server_cpu"] = f"{(sum(cpu_split(pid)) - server0) / elapsed:.0%}"
+                    row["redis"] = workers > 1 or args.redis
+                    row["server_cpu"] = f"{server_s / elapsed:.0%}"
                     row["load_cpu"] = f"{(time.process_time() - load0) / elapsed:.0%}"
                     rows.append(row)
                     print({k: v for k, v in row.items() if k != "latencies_ms"}, flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"capacity-{args.workers or 'both'}.json"
+    out = RESULTS / f"capacity-{args.workers or 'both'}{'-redis' if args.redis else ''}.json"
     out.write_bytes(orjson.dumps({"args": vars(args), "rows": rows}))
     print(
-        "\n| workers | streams × 20 tokens/s | all running for | p50 | p99 | first event p99 "
-        "| complete, in order | server CPU | load generator CPU |"
+        "\n| workers | Redis | streams × 20 tokens/s | all running for | p50 | p99 | first event p99 "
+        "| complete, in order | server CPU | server µs per token | load generator CPU "
+        "| load average at start |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['workers']} | {r['streams']} | {r['together_s']} s | {r['p50_ms']} ms "
+            f"| {r['workers']} | {'yes' if r['redis'] else 'no'} | {r['streams']} | {r['together_s']} s | {r['p50_ms']} ms "
             f"| {r['p99_ms']} ms | {r['first_event_p99_ms']} ms | {r['complete']}/{r['streams']}, "
-            f"{'yes' if r['in_order'] else 'NO'} | {r['server_cpu']} | {r['load_cpu']} |"
+            f"{'yes' if r['in_order'] else 'NO'} | {r['server_cpu']} | {r['server_us_per_token']} "
+            f"| {r['load_cpu']} | {r['load_average']} |"
         )
     for workers in sorted({r["workers"] for r in rows}):
         held = [r["streams"] for r in rows if r["workers"] == workers and r["p99_ms"] <= 100]
