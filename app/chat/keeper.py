@@ -29,10 +29,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..chores import Chores
+from ..cleaning import clean
 from ..errors import AppError, Unavailable
 from ..events import Event
 from ..store import Checkpoint, Saved, Store, StoredMessage
@@ -69,6 +70,44 @@ class Running(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """How much of a running answer the store holds after a checkpoint: the characters
+    of its content and reasoning read, and the characters of them the store kept (a
+    NUL is dropped), after which the next checkpoint's additions go."""
+
+    content: int = 0
+    reasoning: int = 0
+    kept_content: int = 0
+    kept_reasoning: int = 0
+
+    def rest(self, progress: Checkpoint) -> Checkpoint:
+        """What of `progress` (all of the answer so far) the store does not hold yet."""
+        if self.content > len(progress.content) or self.reasoning > len(progress.reasoning):
+            return progress  # not the answer it had (never so): all of it again
+        return replace(
+            progress,
+            content=progress.content[self.content :],
+            reasoning=progress.reasoning[self.reasoning :],
+            content_from=self.kept_content,
+            reasoning_from=self.kept_reasoning,
+        )
+
+    def after(self, saved: Checkpoint) -> _Stored:
+        """Once `saved` (made by `rest`) is in the store."""
+        sliced = saved.content_from or saved.reasoning_from
+        content, reasoning = (self.content, self.reasoning) if sliced else (0, 0)
+        return _Stored(
+            content + len(saved.content),
+            reasoning + len(saved.reasoning),
+            saved.content_from + len(clean(saved.content)),
+            saved.reasoning_from + len(clean(saved.reasoning)),
+        )
+
+
+NOTHING_STORED = _Stored()
+
+
 @dataclass(slots=True)
 class _Unsaved:
     saved: Saved
@@ -95,7 +134,10 @@ class AnswerKeeper:
         self.checkpoint_interval = checkpoint_interval
         self.sweep_interval = sweep_interval
         self._running: dict[str, Running] = {}
-        self._checkpointed: dict[str, int] = {}  # answer → characters last checkpointed
+        self._checkpointed: dict[str, int] = {}  # answer → seq last checkpointed
+        #: answer → how much of its content and reasoning the store holds: the
+        #: characters read of each, and what the store kept of them (it drops NULs)
+        self._stored: dict[str, _Stored] = {}
         self._unsaved: dict[str, _Unsaved] = {}
         self._refused_orphans: dict[str, int] = {}  # orphan → saves the store refused
         self._retry = asyncio.Event()
@@ -109,6 +151,7 @@ class AnswerKeeper:
     def untrack(self, answer_id: str) -> None:
         self._running.pop(answer_id, None)
         self._checkpointed.pop(answer_id, None)
+        self._stored.pop(answer_id, None)
 
     def runs(self, answer_id: str) -> bool:
         return answer_id in self._running
@@ -242,12 +285,16 @@ class AnswerKeeper:
     async def checkpoint(self) -> int:
         """Save every running answer that grew since its last checkpoint, as far as it
         got, in one transaction; then a hub that holds events back until they are
-        durable may let them through. Returns how many were saved."""
+        durable may let them through. Returns how many were saved. Each answer's row
+        is sent what was added to it since its last checkpoint, not all of it again:
+        what a checkpoint costs grows with the tokens since the last one, not with
+        the answers' lengths."""
         due = []
+        stored = self._stored
         for answer_id, generation in list(self._running.items()):
             seq, progress = generation.progress()
             if seq != self._checkpointed.get(answer_id, 0):
-                due.append((seq, progress))
+                due.append((seq, stored.get(answer_id, NOTHING_STORED).rest(progress)))
         if not due:
             return 0
         try:
@@ -261,6 +308,9 @@ class AnswerKeeper:
         for seq, progress in due:
             if progress.answer_id in self._running:
                 self._checkpointed[progress.answer_id] = seq
+                stored[progress.answer_id] = stored.get(progress.answer_id, NOTHING_STORED).after(
+                    progress
+                )
                 self.hub.release_saved(progress.answer_id, seq)
         return len(due)
 

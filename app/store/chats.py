@@ -356,11 +356,24 @@ class ChatTables:
 
     @mapped
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        # what was added, put after the characters the row held before it: the same
+        # checkpoint sent again (after a commit whose answer was lost) writes the same row
         json = self.db.dialect.json
         await self.db.executemany(
-            "UPDATE messages SET content = ?, reasoning = ?, steps = ? WHERE id = ?"
+            "UPDATE messages SET content = substr(content, 1, ?) || ?,"
+            " reasoning = substr(reasoning, 1, ?) || ?, steps = ? WHERE id = ?"
             " AND status = 'streaming'",
-            [(c.content, c.reasoning, json(c.steps), c.answer_id) for c in progress],
+            [
+                (
+                    c.content_from,
+                    c.content,
+                    c.reasoning_from,
+                    c.reasoning,
+                    json(c.steps),
+                    c.answer_id,
+                )
+                for c in progress
+            ],
         )
 
     @mapped
