@@ -81,11 +81,13 @@ class _Stored:
     kept_content: int = 0
     kept_reasoning: int = 0
 
-    def rest(self, progress: Checkpoint) -> Checkpoint:
-        """What of `progress` (all of the answer so far) the store does not hold yet."""
+    def rest(self, progress: Checkpoint) -> tuple[_Stored, Checkpoint]:
+        """What of `progress` (all of the answer so far) the store does not hold yet,
+        and what it went after: `after` of that says what the store holds once it is
+        saved."""
         if self.content > len(progress.content) or self.reasoning > len(progress.reasoning):
-            return progress  # not the answer it had (never so): all of it again
-        return replace(
+            return NOTHING_STORED, progress  # not the answer it had (never so): all again
+        return self, replace(
             progress,
             content=progress.content[self.content :],
             reasoning=progress.reasoning[self.reasoning :],
@@ -94,12 +96,10 @@ class _Stored:
         )
 
     def after(self, saved: Checkpoint) -> _Stored:
-        """Once `saved` (made by `rest`) is in the store."""
-        sliced = saved.content_from or saved.reasoning_from
-        content, reasoning = (self.content, self.reasoning) if sliced else (0, 0)
+        """Once `saved`, which `rest` made after this, is in the store."""
         return _Stored(
-            content + len(saved.content),
-            reasoning + len(saved.reasoning),
+            self.content + len(saved.content),
+            self.reasoning + len(saved.reasoning),
             saved.content_from + len(clean(saved.content)),
             saved.reasoning_from + len(clean(saved.reasoning)),
         )
@@ -294,27 +294,26 @@ class AnswerKeeper:
         for answer_id, generation in list(self._running.items()):
             seq, progress = generation.progress()
             if seq != self._checkpointed.get(answer_id, 0):
-                due.append((seq, stored.get(answer_id, NOTHING_STORED).rest(progress)))
+                base, rest = stored.get(answer_id, NOTHING_STORED).rest(progress)
+                due.append((seq, rest, base))
         if not due:
             return 0
         try:
             async with asyncio.timeout(SAVE_SECONDS):
-                await self.store.checkpoint_answers([progress for _, progress in due])
+                await self.store.checkpoint_answers([progress for _, progress, _ in due])
         except (Unavailable, TimeoutError):
             raise
         except AppError as exc:  # one answer the store refuses: the others still go
             log.warning("a checkpoint was refused (%s); saving answers one by one", exc.message)
-            due = [entry for entry in due if await self._checkpoint_one(*entry)]
-        for seq, progress in due:
+            due = [entry for entry in due if await self._checkpoint_one(entry[1])]
+        for seq, progress, base in due:
             if progress.answer_id in self._running:
                 self._checkpointed[progress.answer_id] = seq
-                stored[progress.answer_id] = stored.get(progress.answer_id, NOTHING_STORED).after(
-                    progress
-                )
+                stored[progress.answer_id] = base.after(progress)
                 self.hub.release_saved(progress.answer_id, seq)
         return len(due)
 
-    async def _checkpoint_one(self, seq: int, progress: Checkpoint) -> bool:
+    async def _checkpoint_one(self, progress: Checkpoint) -> bool:
         try:
             async with asyncio.timeout(SAVE_SECONDS):
                 await self.store.checkpoint_answers([progress])
