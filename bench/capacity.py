@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import orjson
 
@@ -36,6 +37,27 @@ from bench.run import LOAD_CORE, RESULTS, app_server, fast_model, redis_server
 from tests.conftest import new_database, start_postgres
 
 RATE = 20.0  # tokens a second per stream
+
+
+def core_times() -> list[tuple[int, int]]:
+    """(busy, all) jiffies of each core so far, from /proc/stat: what every process on
+    it used, the other work on this machine included."""
+    cores = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [int(f) for f in fields]
+            idle = ticks[3] + ticks[4]  # idle, iowait
+            cores.append((sum(ticks[:8]) - idle, sum(ticks[:8])))
+    return cores
+
+
+def core_busy(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> str:
+    """How busy each core was between two `core_times`, as "0: 71 %, 1: 98 %"."""
+    return ", ".join(
+        f"{i}: {(b1 - b0) / max(a1 - a0, 1):.0%}"
+        for i, ((b0, a0), (b1, a1)) in enumerate(zip(before, after, strict=True))
+    )
 
 
 async def carry(url: str, streams: int, starts_per_second: float, steady: float) -> dict:
@@ -129,7 +151,11 @@ def main() -> None:
                 for streams in levels:
                     server0, load0 = sum(cpu_split(pid)), time.process_time()
                     load_average = os.getloadavg()[0]
+                    cores0 = core_times()
                     row = asyncio.run(carry(url, streams, args.starts_per_second, args.steady))
+                    # the server has core 0; the load generator, the fake model and Redis
+                    # core 1: a core 1 near 100 % says the load generator limits the figures
+                    row["cores_busy"] = core_busy(cores0, core_times())
                     elapsed = row.pop("elapsed_s")
                     server_s = sum(cpu_split(pid)) - server0
                     # the server's CPU per token delivered: flat when nothing of it grows
@@ -150,15 +176,15 @@ def main() -> None:
     print(
         "\n| workers | Redis | streams × 20 tokens/s | all running for | p50 | p99 | first event p99 "
         "| complete, in order | server CPU | server µs per token | load generator CPU "
-        "| load average at start |"
+        "| load average at start | cores busy (any process) |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
     for r in rows:
         print(
             f"| {r['workers']} | {'yes' if r['redis'] else 'no'} | {r['streams']} | {r['together_s']} s | {r['p50_ms']} ms "
             f"| {r['p99_ms']} ms | {r['first_event_p99_ms']} ms | {r['complete']}/{r['streams']}, "
             f"{'yes' if r['in_order'] else 'NO'} | {r['server_cpu']} | {r['server_us_per_token']} "
-            f"| {r['load_cpu']} | {r['load_average']} |"
+            f"| {r['load_cpu']} | {r['load_average']} | {r['cores_busy']} |"
         )
     for workers in sorted({r["workers"] for r in rows}):
         held = [r["streams"] for r in rows if r["workers"] == workers and r["p99_ms"] <= 100]
