@@ -73,21 +73,19 @@ class Running(Protocol):
 @dataclass(frozen=True, slots=True)
 class _Stored:
     """How much of a running answer the store holds after a checkpoint: the characters
-    of its content and reasoning read, and the characters of them the store kept (a
-    NUL is dropped), after which the next checkpoint's additions go."""
+    of its content and reasoning read, and the bytes (UTF-8) the store kept of them (a
+    NUL is dropped, a lone surrogate replaced), after which the next checkpoint's
+    additions go."""
 
     content: int = 0
     reasoning: int = 0
     kept_content: int = 0
     kept_reasoning: int = 0
 
-    def rest(self, progress: Checkpoint) -> tuple[_Stored, Checkpoint]:
-        """What of `progress` (all of the answer so far) the store does not hold yet,
-        and what it went after: `after` of that says what the store holds once it is
-        saved."""
-        if self.content > len(progress.content) or self.reasoning > len(progress.reasoning):
-            return NOTHING_STORED, progress  # not the answer it had (never so): all again
-        return self, replace(
+    def rest(self, progress: Checkpoint) -> Checkpoint:
+        """What of `progress` (all of the answer so far: it only grows) the store does
+        not hold yet; `after` says what the store holds once it is saved."""
+        return replace(
             progress,
             content=progress.content[self.content :],
             reasoning=progress.reasoning[self.reasoning :],
@@ -100,8 +98,8 @@ class _Stored:
         return _Stored(
             self.content + len(saved.content),
             self.reasoning + len(saved.reasoning),
-            saved.content_from + len(clean(saved.content)),
-            saved.reasoning_from + len(clean(saved.reasoning)),
+            saved.content_from + len(clean(saved.content).encode()),
+            saved.reasoning_from + len(clean(saved.reasoning).encode()),
         )
 
 
@@ -136,7 +134,7 @@ class AnswerKeeper:
         self._running: dict[str, Running] = {}
         self._checkpointed: dict[str, int] = {}  # answer → seq last checkpointed
         #: answer → how much of its content and reasoning the store holds: the
-        #: characters read of each, and what the store kept of them (it drops NULs)
+        #: characters read of each, and the bytes the store kept of them
         self._stored: dict[str, _Stored] = {}
         self._unsaved: dict[str, _Unsaved] = {}
         self._refused_orphans: dict[str, int] = {}  # orphan → saves the store refused
@@ -294,8 +292,8 @@ class AnswerKeeper:
         for answer_id, generation in list(self._running.items()):
             seq, progress = generation.progress()
             if seq != self._checkpointed.get(answer_id, 0):
-                base, rest = stored.get(answer_id, NOTHING_STORED).rest(progress)
-                due.append((seq, rest, base))
+                base = stored.get(answer_id, NOTHING_STORED)
+                due.append((seq, base.rest(progress), base))
         if not due:
             return 0
         try:

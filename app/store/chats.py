@@ -356,21 +356,22 @@ class ChatTables:
 
     @mapped
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
-        # what was added, put after the characters the row held before it: the same
-        # checkpoint sent again (after a commit whose answer was lost) writes the same row
+        # what was added, appended to a row that holds what it went after (its size
+        # in bytes says so): the same checkpoint sent again (after a commit whose
+        # answer was lost) finds the row grown, and leaves it as it is
         json = self.db.dialect.json
         await self.db.executemany(
-            "UPDATE messages SET content = substr(content, 1, ?) || ?,"
-            " reasoning = substr(reasoning, 1, ?) || ?, steps = ? WHERE id = ?"
-            " AND status = 'streaming'",
+            "UPDATE messages SET content = content || ?, reasoning = reasoning || ?,"
+            " steps = ? WHERE id = ? AND status = 'streaming'"
+            " AND {content_octets} = ? AND {reasoning_octets} = ?",
             [
                 (
-                    c.content_from,
                     c.content,
-                    c.reasoning_from,
                     c.reasoning,
                     json(c.steps),
                     c.answer_id,
+                    c.content_from,
+                    c.reasoning_from,
                 )
                 for c in progress
             ],

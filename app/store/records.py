@@ -248,8 +248,8 @@ class Saved:
 class Checkpoint:
     """A running answer as far as it got: its text, reasoning and progress lines.
     `content` and `reasoning` may be only what follows the first `content_from` and
-    `reasoning_from` characters, which the store holds already (a checkpoint then
-    sends what was added, not the whole answer again)."""
+    `reasoning_from` bytes (UTF-8) of them, which the store holds already: a
+    checkpoint then sends what was added, not the whole answer again."""
 
     answer_id: str
     content: str
