@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Iterable
+import struct
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import SecurityError
+from websockets.http11 import Request
+from websockets.protocol import State
 
 from .config import ServerSettings, Settings
 
@@ -72,6 +75,12 @@ UNREADABLE = (
     b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
 )
 UNREADABLE_BODY = b'{"type":"error","key":"BAD_REQUEST","data":"invalid HTTP request"}'
+
+#: the scope extension by which a WebSocket's app writes text frames at once (its
+#: `write` is `BoundedWebSocket.write_texts`)
+TEXT_FRAMES = "app.websocket.text_frames"
+#: what `write_texts` is to the app
+WriteTexts = Callable[[Sequence[bytes]], bool]
 
 #: the attributes of uvicorn's config that hold the server's settings, and the count
 #: of its open connections by address
@@ -332,6 +341,49 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         open_connections(self.config).release(_host(self.client), self.transport)
         super().connection_lost(exc)
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # none for a refused handshake
+        if scope is not None:
+            scope["extensions"][TEXT_FRAMES] = {"write": self.write_texts}
+
+    def write_texts(self, frames: Sequence[bytes]) -> bool:
+        """Write `frames` (each a whole message of UTF-8 text) as text frames, in one
+        write, now; or nothing and False when the socket cannot take them at once —
+        not open (not accepted yet, closing, gone), paused by flow control (the
+        transport's buffer is full: `send` waits for it), or with an extension
+        (permessage-deflate) that must encode each frame. Then `send` them, which
+        waits and raises as ASGI says. What it writes is what `send` would: a
+        server's frames are not masked, and an unfragmented text frame is its header
+        and its bytes."""
+        if (
+            self.close_sent
+            or self.disconnected
+            or not self.handshake_complete
+            or self.initial_response is not None
+            or not self.writable.is_set()
+            or self.conn.state is not State.OPEN
+            or self.conn.extensions
+            or self.conn.expect_continuation_frame
+            or self.transport.is_closing()
+        ):
+            return False
+        if len(frames) == 1:
+            frame = frames[0]
+            self.transport.write(_text_head(len(frame)) + frame)
+        else:
+            self.transport.write(b"".join([_text_head(len(f)) + f for f in frames]))
+        return True
+
+
+def _text_head(length: int) -> bytes:
+    """The header of an unmasked, final text frame of `length` bytes (RFC 6455 §5.2)."""
+    if length < 126:
+        return bytes((0x81, length))
+    if length < 65536:
+        return struct.pack("!BBH", 0x81, 126, length)
+    return struct.pack("!BBQ", 0x81, 127, length)
 
 
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> Config:

@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import orjson
 
@@ -36,6 +37,27 @@ from bench.run import LOAD_CORE, RESULTS, app_server, fast_model, redis_server
 from tests.conftest import new_database, start_postgres
 
 RATE = 20.0  # tokens a second per stream
+
+
+def core_times() -> list[tuple[int, int]]:
+    """(busy, all) jiffies of each core so far, from /proc/stat: what every process on
+    it used, the other work on this machine included."""
+    cores = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [int(f) for f in fields]
+            idle = ticks[3] + ticks[4]  # idle, iowait
+            cores.append((sum(ticks[:8]) - idle, sum(ticks[:8])))
+    return cores
+
+
+def core_busy(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> str:
+    """How busy each core was between two `core_times`, as "0: 71 %, 1: 98 %"."""
+    return ", ".join(
+        f"{i}: {(b1 - b0) / max(a1 - a0, 1):.0%}"
+        for i, ((b0, a0), (b1, a1)) in enumerate(zip(before, after, strict=True))
+    )
 
 
 async def carry(url: str, streams: int, starts_per_second: float, steady: float) -> dict:
@@ -79,6 +101,7 @@ async def carry(url: str, streams: int, starts_per_second: float, steady: float)
             percentile([r.first_event_s * 1000 for r in results if r.first_event_s], 0.99), 1
         ),
         "elapsed_s": elapsed,
+        "tokens": sum(r.tokens for r in results),
         "latencies_ms": sorted(together)[:: max(1, len(together) // 2000)],
     }
 
@@ -89,6 +112,11 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=0, help="1 or 2; both by default")
     parser.add_argument("--streams", default="400,600,800,1000,1200")
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="one worker with the Redis hub too (two workers always have it)",
+    )
     parser.add_argument("--starts-per-second", type=float, default=50.0)
     parser.add_argument("--steady", type=float, default=15.0)
     parser.add_argument(
@@ -107,9 +135,12 @@ def main() -> None:
         postgres = stack.enter_context(start_postgres()) if args.store == "postgres" else ""
         for workers in [args.workers] if args.workers else [1, 2]:
             store = {"STORE_URL": new_database(postgres)} if postgres else {}
+            # the per-process cap on running answers (500 by default) must not refuse them
+            store["LIMITS_MAX_GENERATIONS_PER_PROCESS"] = str(2 * max(levels))
             if workers == 1:
                 os.sched_setaffinity(0, {int(LOAD_CORE)})
-                server = app_server(model, tmp, **store)
+                hub = {"REDIS_URL": redis} if args.redis else {}
+                server = app_server(model, tmp, **store, **hub)
             else:
                 os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
                 server = app_server(
@@ -119,26 +150,41 @@ def main() -> None:
                 time.sleep(2.0)
                 for streams in levels:
                     server0, load0 = sum(cpu_split(pid)), time.process_time()
+                    load_average = os.getloadavg()[0]
+                    cores0 = core_times()
                     row = asyncio.run(carry(url, streams, args.starts_per_second, args.steady))
+                    # the server has core 0; the load generator, the fake model and Redis
+                    # core 1: a core 1 near 100 % says the load generator limits the figures
+                    row["cores_busy"] = core_busy(cores0, core_times())
                     elapsed = row.pop("elapsed_s")
+                    server_s = sum(cpu_split(pid)) - server0
+                    # the server's CPU per token delivered: flat when nothing of it grows
+                    # with the number of streams
+                    row["server_us_per_token"] = round(
+                        server_s / max(row.pop("tokens"), 1) * 1e6, 1
+                    )
+                    row["load_average"] = round(load_average, 2)
                     row["workers"] = workers
-                    row["server_cpu"] = f"{(sum(cpu_split(pid)) - server0) / elapsed:.0%}"
+                    row["redis"] = workers > 1 or args.redis
+                    row["server_cpu"] = f"{server_s / elapsed:.0%}"
                     row["load_cpu"] = f"{(time.process_time() - load0) / elapsed:.0%}"
                     rows.append(row)
                     print({k: v for k, v in row.items() if k != "latencies_ms"}, flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"capacity-{args.workers or 'both'}.json"
+    out = RESULTS / f"capacity-{args.workers or 'both'}{'-redis' if args.redis else ''}.json"
     out.write_bytes(orjson.dumps({"args": vars(args), "rows": rows}))
     print(
-        "\n| workers | streams × 20 tokens/s | all running for | p50 | p99 | first event p99 "
-        "| complete, in order | server CPU | load generator CPU |"
+        "\n| workers | Redis | streams × 20 tokens/s | all running for | p50 | p99 | first event p99 "
+        "| complete, in order | server CPU | server µs per token | load generator CPU "
+        "| load average at start | cores busy (any process) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['workers']} | {r['streams']} | {r['together_s']} s | {r['p50_ms']} ms "
+            f"| {r['workers']} | {'yes' if r['redis'] else 'no'} | {r['streams']} | {r['together_s']} s | {r['p50_ms']} ms "
             f"| {r['p99_ms']} ms | {r['first_event_p99_ms']} ms | {r['complete']}/{r['streams']}, "
-            f"{'yes' if r['in_order'] else 'NO'} | {r['server_cpu']} | {r['load_cpu']} |"
+            f"{'yes' if r['in_order'] else 'NO'} | {r['server_cpu']} | {r['server_us_per_token']} "
+            f"| {r['load_cpu']} | {r['load_average']} | {r['cores_busy']} |"
         )
     for workers in sorted({r["workers"] for r in rows}):
         held = [r["streams"] for r in rows if r["workers"] == workers and r["p99_ms"] <= 100]

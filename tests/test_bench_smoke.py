@@ -114,3 +114,15 @@ async def test_the_bare_relay_reference_relays_every_token(bare_relay):
 
     for _ in range(2):  # the second round reuses the upstream connections
         assert await run_streams("bare", bare_relay, 5, 30, 200.0) == 150
+
+
+async def test_the_checkpoint_bench_keeps_the_whole_answer_either_way(tmp_path):
+    """Both ways of checkpointing in `bench.checkpoints` leave every row holding the
+    whole answer (the bench checks its last one)."""
+    from bench.checkpoints import run
+
+    args = SimpleNamespace(answers=5, tokens=4, rounds=10)
+    url = f"sqlite:///{tmp_path}/checkpoints.db"
+    for mode in ("whole", "added"):
+        row = await run(url, mode, args, None)
+        assert row["mode"] == mode and row["chars_at_end"] > 40

@@ -362,3 +362,41 @@ async def test_a_stuck_websocket_client_is_let_go_and_does_not_slow_others(
                 await wait_for(let_go, timeout=5)
         finally:
             stuck.close()
+
+
+def test_a_websocket_text_frame_header_is_what_the_websocket_library_writes():
+    """The frames a socket takes at once (`write_texts`) carry the header the
+    `websockets` library would give them, at each length's boundary."""
+    from websockets.frames import Frame, Opcode
+
+    from app.serving import _text_head
+
+    for length in (0, 1, 125, 126, 127, 65535, 65536, 70000):
+        payload = b"x" * length
+        assert _text_head(length) + payload == Frame(Opcode.TEXT, payload).serialize(mask=False)
+
+
+@pytest.mark.parametrize("compression", [None, "deflate"])
+async def test_websocket_frames_of_any_size_arrive_whole_with_or_without_compression(
+    settings, fake_model, compression
+):
+    """Without compression an answer's frames are written at once; with
+    permessage-deflate they go through the WebSocket library, which compresses them.
+    Either way a client reads the same events, small and past 64 KiB."""
+    from websockets.asyncio.client import connect
+
+    with serve(create_app(settings)) as server:
+        url = server.url.replace("http", "ws", 1) + "/api/chat/ws"
+        async with connect(url, compression=compression, max_size=2**24) as ws:
+            assert orjson.loads(await ws.recv())["data"] == "open"
+            body = chat_body("big #tokens=4 #size=70000 #reasoning=0", chatId="973")
+            await ws.send(orjson.dumps(body).decode())
+            events = [orjson.loads(await ws.recv())]
+            while events[-1]["type"] not in ("messageEnd", "error"):
+                events.append(orjson.loads(await ws.recv()))
+            assert ws.protocol.extensions if compression else not ws.protocol.extensions
+    assert events[-1]["type"] == "messageEnd"
+    text = "".join(e["data"] for e in events if e["type"] == "message")
+    assert len(text) >= 4 * 70000 - 10
+    seqs = [int(e["eventId"].rsplit(":", 1)[1]) for e in events if "eventId" in e]
+    assert seqs == list(range(1, len(seqs) + 1))

@@ -486,6 +486,68 @@ async def test_a_checkpoint_the_store_refuses_for_one_answer_saves_the_others(st
         assert (await last_message(store, "refused")).content == ""
 
 
+class Written:
+    """A running answer that grows by what a test appends to it."""
+
+    def __init__(self, answer_id: str) -> None:
+        self.answer_id = answer_id
+        self.content = self.reasoning = ""
+        self.seq = 0
+
+    def add(self, content: str = "", reasoning: str = "") -> None:
+        self.content += content
+        self.reasoning += reasoning
+        self.seq += 1
+
+    def progress(self) -> tuple[int, Checkpoint]:
+        return self.seq, Checkpoint(self.answer_id, self.content, self.reasoning, [])
+
+
+async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_url):
+    """A checkpoint sends each running answer only what was added since the last one,
+    and the row holds the whole answer after each (a NUL, which the store drops, and
+    text beyond the first characters included); the same checkpoint sent twice (its
+    commit's answer lost) leaves the row as once."""
+    store = open_store(store_url)
+    async with store:
+        await add_answers(store, ["grows"], time.time())
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        sent: list[Checkpoint] = []
+        checkpoint_answers = store.checkpoint_answers
+
+        async def recorded(progress):
+            sent.extend(progress)
+            await checkpoint_answers(progress)
+
+        store.checkpoint_answers = recorded
+        answer = Written("grows")
+        keeper.track(answer)
+        answer.add("Héllo", "think")
+        assert await keeper.checkpoint() == 1
+        answer.add(" w\x00orld", "ing")
+        assert await keeper.checkpoint() == 1
+        assert await keeper.checkpoint() == 0  # nothing new
+        answer.add("! 🙂", "")
+        assert await keeper.checkpoint() == 1
+        assert [(c.content, c.content_from) for c in sent] == [  # after so many bytes
+            ("Héllo", 0),
+            (" w\x00orld", 6),
+            ("! 🙂", 12),
+        ]
+        assert [(c.reasoning, c.reasoning_from) for c in sent] == [
+            ("think", 0),
+            ("ing", 5),
+            ("", 8),
+        ]
+        row = await last_message(store, "grows")
+        assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
+        await checkpoint_answers([sent[-1]])  # sent again
+        row = await last_message(store, "grows")
+        assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
+
+
 async def test_errors_of_real_databases_read_as_what_they_are(tmp_path, postgres_url):
     """What each database really raises: a locked SQLite file or a PostgreSQL that is
     not there is "try again" (503); a statement that is wrong (a missing table, the

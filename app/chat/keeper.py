@@ -29,10 +29,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..chores import Chores
+from ..cleaning import clean
 from ..errors import AppError, Unavailable
 from ..events import Event
 from ..store import Checkpoint, Saved, Store, StoredMessage
@@ -69,6 +70,42 @@ class Running(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """How much of a running answer the store holds after a checkpoint: the characters
+    of its content and reasoning read, and the bytes (UTF-8) the store kept of them (a
+    NUL is dropped, a lone surrogate replaced), after which the next checkpoint's
+    additions go."""
+
+    content: int = 0
+    reasoning: int = 0
+    kept_content: int = 0
+    kept_reasoning: int = 0
+
+    def rest(self, progress: Checkpoint) -> Checkpoint:
+        """What of `progress` (all of the answer so far: it only grows) the store does
+        not hold yet; `after` says what the store holds once it is saved."""
+        return replace(
+            progress,
+            content=progress.content[self.content :],
+            reasoning=progress.reasoning[self.reasoning :],
+            content_from=self.kept_content,
+            reasoning_from=self.kept_reasoning,
+        )
+
+    def after(self, saved: Checkpoint) -> _Stored:
+        """Once `saved`, which `rest` made after this, is in the store."""
+        return _Stored(
+            self.content + len(saved.content),
+            self.reasoning + len(saved.reasoning),
+            saved.content_from + len(clean(saved.content).encode()),
+            saved.reasoning_from + len(clean(saved.reasoning).encode()),
+        )
+
+
+NOTHING_STORED = _Stored()
+
+
 @dataclass(slots=True)
 class _Unsaved:
     saved: Saved
@@ -95,7 +132,10 @@ class AnswerKeeper:
         self.checkpoint_interval = checkpoint_interval
         self.sweep_interval = sweep_interval
         self._running: dict[str, Running] = {}
-        self._checkpointed: dict[str, int] = {}  # answer → characters last checkpointed
+        self._checkpointed: dict[str, int] = {}  # answer → seq last checkpointed
+        #: answer → how much of its content and reasoning the store holds: the
+        #: characters read of each, and the bytes the store kept of them
+        self._stored: dict[str, _Stored] = {}
         self._unsaved: dict[str, _Unsaved] = {}
         self._refused_orphans: dict[str, int] = {}  # orphan → saves the store refused
         self._retry = asyncio.Event()
@@ -109,6 +149,7 @@ class AnswerKeeper:
     def untrack(self, answer_id: str) -> None:
         self._running.pop(answer_id, None)
         self._checkpointed.pop(answer_id, None)
+        self._stored.pop(answer_id, None)
 
     def runs(self, answer_id: str) -> bool:
         return answer_id in self._running
@@ -242,29 +283,35 @@ class AnswerKeeper:
     async def checkpoint(self) -> int:
         """Save every running answer that grew since its last checkpoint, as far as it
         got, in one transaction; then a hub that holds events back until they are
-        durable may let them through. Returns how many were saved."""
+        durable may let them through. Returns how many were saved. Each answer's row
+        is sent what was added to it since its last checkpoint, not all of it again:
+        what a checkpoint costs grows with the tokens since the last one, not with
+        the answers' lengths."""
         due = []
+        stored = self._stored
         for answer_id, generation in list(self._running.items()):
             seq, progress = generation.progress()
             if seq != self._checkpointed.get(answer_id, 0):
-                due.append((seq, progress))
+                base = stored.get(answer_id, NOTHING_STORED)
+                due.append((seq, base.rest(progress), base))
         if not due:
             return 0
         try:
             async with asyncio.timeout(SAVE_SECONDS):
-                await self.store.checkpoint_answers([progress for _, progress in due])
+                await self.store.checkpoint_answers([progress for _, progress, _ in due])
         except (Unavailable, TimeoutError):
             raise
         except AppError as exc:  # one answer the store refuses: the others still go
             log.warning("a checkpoint was refused (%s); saving answers one by one", exc.message)
-            due = [entry for entry in due if await self._checkpoint_one(*entry)]
-        for seq, progress in due:
+            due = [entry for entry in due if await self._checkpoint_one(entry[1])]
+        for seq, progress, base in due:
             if progress.answer_id in self._running:
                 self._checkpointed[progress.answer_id] = seq
+                stored[progress.answer_id] = base.after(progress)
                 self.hub.release_saved(progress.answer_id, seq)
         return len(due)
 
-    async def _checkpoint_one(self, seq: int, progress: Checkpoint) -> bool:
+    async def _checkpoint_one(self, progress: Checkpoint) -> bool:
         try:
             async with asyncio.timeout(SAVE_SECONDS):
                 await self.store.checkpoint_answers([progress])

@@ -356,11 +356,25 @@ class ChatTables:
 
     @mapped
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
+        # what was added, appended to a row that holds what it went after (its size
+        # in bytes says so): the same checkpoint sent again (after a commit whose
+        # answer was lost) finds the row grown, and leaves it as it is
         json = self.db.dialect.json
         await self.db.executemany(
-            "UPDATE messages SET content = ?, reasoning = ?, steps = ? WHERE id = ?"
-            " AND status = 'streaming'",
-            [(c.content, c.reasoning, json(c.steps), c.answer_id) for c in progress],
+            "UPDATE messages SET content = content || ?, reasoning = reasoning || ?,"
+            " steps = ? WHERE id = ? AND status = 'streaming'"
+            " AND {content_octets} = ? AND {reasoning_octets} = ?",
+            [
+                (
+                    c.content,
+                    c.reasoning,
+                    json(c.steps),
+                    c.answer_id,
+                    c.content_from,
+                    c.reasoning_from,
+                )
+                for c in progress
+            ],
         )
 
     @mapped

@@ -246,12 +246,17 @@ class Saved:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A running answer as far as it got: its text, reasoning and progress lines."""
+    """A running answer as far as it got: its text, reasoning and progress lines.
+    `content` and `reasoning` may be only what follows the first `content_from` and
+    `reasoning_from` bytes (UTF-8) of them, which the store holds already: a
+    checkpoint then sends what was added, not the whole answer again."""
 
     answer_id: str
     content: str
     reasoning: str
     steps: list[str]
+    content_from: int = 0
+    reasoning_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)

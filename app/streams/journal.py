@@ -52,6 +52,8 @@ class Journal:
         #: in the journal, not yet in their log; when the first of them went there,
         #: with that entry's id (what trims the journal)
         self.unlogged: dict[str, list[Event]] = {}
+        #: in the order they went there, so oldest first (and their entry ids rising):
+        #: a commit finds the due logs and the trim without reading every generation's
         self.unlogged_since: dict[str, tuple[float, tuple[int, int]]] = {}
         self.last_entry: tuple[int, int] | None = None
         self.logged: set[str] = set()  # generations whose log has its running expiry
@@ -101,11 +103,11 @@ class Journal:
             due = {only} if only in pending or only in self.unlogged else set()
         else:
             pending, self.pending = self.pending, {}
-            due = {
-                answer_id
-                for answer_id, (since, _) in self.unlogged_since.items()
-                if now - since >= self.checkpoint
-            }
+            due = set()
+            for answer_id, (since, _) in self.unlogged_since.items():  # oldest first
+                if now - since < self.checkpoint:
+                    break
+                due.add(answer_id)
             due |= self._catch_up & self.unlogged.keys()
             for answer_id, batch in pending.items():
                 if batch[-1].terminal or answer_id in self.watched:
@@ -124,9 +126,10 @@ class Journal:
             plan.logs.append(LogWrite(answer_id, batch, expire))
         plan.journal = {a: batch for a, batch in pending.items() if a not in due}
         if plan.journal:
-            # what every log holds by now, as acknowledged by earlier commits
-            held = [at for _, at in self.unlogged_since.values()]
-            oldest = min(held) if held else self.last_entry
+            # what every log holds by now, as acknowledged by earlier commits (the
+            # oldest unlogged entry is the first: see `unlogged_since`)
+            first = next(iter(self.unlogged_since.values()), None)
+            oldest = first[1] if first is not None else self.last_entry
             if only is None and oldest is not None:
                 plan.trim = oldest
             plan.expire_journal = self.last_entry is None

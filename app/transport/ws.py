@@ -33,6 +33,7 @@ from ..protocol import (
     render,
     render_start,
 )
+from ..serving import TEXT_FRAMES, WriteTexts
 from .http import client_identity, count_request, count_resume, request_user, set_user
 from .perplexica import picked_model
 from .streaming import SERVER_SEND
@@ -40,9 +41,9 @@ from .streaming import SERVER_SEND
 log = logging.getLogger("app.ws")
 
 
-class WsEncoder(Encoder[list[str]]):
-    """Events as WebSocket text frames (one per event) with `eventId`; an upstream
-    keep-alive becomes a `keep-alive` frame."""
+class WsEncoder(Encoder[list[bytes]]):
+    """Events as WebSocket text frames (one per event, its UTF-8 JSON) with `eventId`;
+    an upstream keep-alive becomes a `keep-alive` frame."""
 
     name = "ws"
 
@@ -50,37 +51,40 @@ class WsEncoder(Encoder[list[str]]):
         self.format = fmt
         self._tokens = TokenJson(event_id=True) if fmt == "default" else None
 
-    def preamble(self, handle: Handle) -> list[str] | None:
+    def preamble(self, handle: Handle) -> list[bytes] | None:
         start = render_start(handle, self.format)
-        return None if start is None else [dumps(start)]
+        return None if start is None else [orjson.dumps(start)]
 
-    def encode(self, events: Sequence[Event]) -> list[str] | None:
-        frames = []
+    def encode(self, events: Sequence[Event]) -> list[bytes] | None:
+        frames: list[bytes] = []
         fmt, tokens = self.format, self._tokens
         for event in events:
             if tokens is not None and event.seq:
                 token = tokens.of(event)
                 if token is not None:  # a piece of the answer: made around its text
-                    frames.append(token.decode())
+                    frames.append(token)
                     continue
             frame = render(event, fmt)
             if frame is None:
                 continue
             if event.seq:
                 frame["eventId"] = event.event_id
-            frames.append(dumps(frame))
+            frames.append(orjson.dumps(frame))
         return frames or None
-
-
-def dumps(frame: dict[str, Any]) -> str:
-    return orjson.dumps(frame).decode()
 
 
 class SocketWriter:
     """Serialises writes of the relays sharing one socket. A write that waits more
     than `timeout` (a client that stopped reading) fails with `WebSocketDisconnect`
     (1008) and the socket is closed: one watch per socket (`watch`) looks for it,
-    not a timer per write."""
+    not a timer per write.
+
+    A write that nothing holds up — no other write waiting, the server's WebSocket
+    protocol able to take the frames at once (`serving.TEXT_FRAMES`: open, not
+    paused by flow control, no compression) — is done there and then, with no
+    wait, no lock and no ASGI message: what a token costs on this socket. Any other
+    goes through the server's `send` under the lock, in order behind the ones
+    before it."""
 
     def __init__(self, websocket: WebSocket, timeout: float) -> None:
         self.websocket = websocket
@@ -89,11 +93,24 @@ class SocketWriter:
         # frames go to the server's own send (the socket is accepted, and no
         # middleware looks at frames): four wrappers and a state check less each
         self._send = websocket.scope.get(SERVER_SEND, websocket.send)
+        frames = websocket.scope.get("extensions", {}).get(TEXT_FRAMES)
+        self._write_now: WriteTexts | None = frames["write"] if frames else None
         self._writing: asyncio.Task[Any] | None = None
         self._writing_since: float | None = None
         self._stuck = False
 
-    async def send(self, frames: Sequence[str]) -> None:
+    async def send(self, frames: Sequence[bytes]) -> None:
+        """Write `frames` (each one message of UTF-8 text), in order after every
+        write before it. Raises `WebSocketDisconnect` for a socket stuck or gone.
+        Cancelling is safe: a frame is written whole or not at all."""
+        write_now = self._write_now
+        if (
+            write_now is not None
+            and not self._stuck
+            and not self.lock.locked()
+            and write_now(frames)
+        ):
+            return
         send = self._send
         async with self.lock:
             if self._stuck:
@@ -102,7 +119,7 @@ class SocketWriter:
             self._writing_since = time.monotonic()
             try:
                 for frame in frames:
-                    await send({"type": "websocket.send", "text": frame})
+                    await send({"type": "websocket.send", "text": frame.decode()})
             except asyncio.CancelledError:
                 # cancelled by `watch` alone: the write is stuck, not the task
                 if self._stuck and self._writing is not None and not self._writing.uncancel():
@@ -112,7 +129,7 @@ class SocketWriter:
                 self._writing_since = None
 
     async def send_json(self, frame: dict[str, Any]) -> None:
-        await self.send([dumps(frame)])
+        await self.send([orjson.dumps(frame)])
 
     async def watch(self) -> None:
         """Until the socket ends: every half `timeout`, let go of a write that has
