@@ -548,6 +548,50 @@ async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_u
         assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
 
 
+async def test_a_checkpoint_whose_outcome_was_lost_is_followed_by_the_whole_answer(store_url):
+    """A checkpoint written by the store whose answer never came back (the store went
+    away, or did not answer in time) leaves the keeper not knowing what the row holds:
+    the next checkpoint sends that answer whole, and the row holds it all again."""
+    store = open_store(store_url)
+    async with store:
+        await add_answers(store, ["lost"], time.time())
+        keeper = AnswerKeeper(
+            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
+        )
+        sent: list[Checkpoint] = []
+        checkpoint_answers = store.checkpoint_answers
+        lose = [False]
+
+        async def written_then_lost(progress):
+            sent.extend(progress)
+            await checkpoint_answers(progress)
+            if lose[0]:
+                lose[0] = False
+                raise Unavailable("the store went away")
+
+        store.checkpoint_answers = written_then_lost
+        answer = Written("lost")
+        keeper.track(answer)
+        answer.add("one", "a")
+        assert await keeper.checkpoint() == 1
+        answer.add(" two", "b")
+        lose[0] = True
+        with pytest.raises(Unavailable):
+            await keeper.checkpoint()
+        answer.add(" three", "c")
+        assert await keeper.checkpoint() == 1
+        answer.add(" four", "")
+        assert await keeper.checkpoint() == 1
+        assert [(c.content, c.content_from) for c in sent] == [
+            ("one", 0),
+            (" two", 3),
+            ("one two three", -1),  # whole: what the row held was not known
+            (" four", 13),
+        ]
+        row = await last_message(store, "lost")
+        assert (row.content, row.reasoning) == ("one two three four", "abc")
+
+
 async def test_errors_of_real_databases_read_as_what_they_are(tmp_path, postgres_url):
     """What each database really raises: a locked SQLite file or a PostgreSQL that is
     not there is "try again" (503); a statement that is wrong (a missing table, the

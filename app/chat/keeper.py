@@ -84,7 +84,10 @@ class _Stored:
 
     def rest(self, progress: Checkpoint) -> Checkpoint:
         """What of `progress` (all of the answer so far: it only grows) the store does
-        not hold yet; `after` says what the store holds once it is saved."""
+        not hold yet; `after` says what the store holds once it is saved. All of it,
+        marked to be written whole, when what the store holds is not known."""
+        if self.content < 0:
+            return replace(progress, content_from=-1, reasoning_from=-1)
         return replace(
             progress,
             content=progress.content[self.content :],
@@ -95,15 +98,19 @@ class _Stored:
 
     def after(self, saved: Checkpoint) -> _Stored:
         """Once `saved`, which `rest` made after this, is in the store."""
+        base = self if self.content >= 0 else NOTHING_STORED
         return _Stored(
-            self.content + len(saved.content),
-            self.reasoning + len(saved.reasoning),
-            saved.content_from + len(clean(saved.content).encode()),
-            saved.reasoning_from + len(clean(saved.reasoning).encode()),
+            base.content + len(saved.content),
+            base.reasoning + len(saved.reasoning),
+            base.kept_content + len(clean(saved.content).encode()),
+            base.kept_reasoning + len(clean(saved.reasoning).encode()),
         )
 
 
 NOTHING_STORED = _Stored()
+#: a checkpoint's outcome was lost (the store went away, or did not answer in time):
+#: the next one sends the answer whole
+NOT_KNOWN = _Stored(-1, -1, -1, -1)
 
 
 @dataclass(slots=True)
@@ -297,13 +304,19 @@ class AnswerKeeper:
         if not due:
             return 0
         try:
-            async with asyncio.timeout(SAVE_SECONDS):
-                await self.store.checkpoint_answers([progress for _, progress, _ in due])
+            try:
+                async with asyncio.timeout(SAVE_SECONDS):
+                    await self.store.checkpoint_answers([progress for _, progress, _ in due])
+            except AppError as exc:  # one answer the store refuses: the others still go
+                if isinstance(exc, Unavailable):
+                    raise
+                log.warning("a checkpoint was refused (%s); saving answers one by one", exc.message)
+                due = [entry for entry in due if await self._checkpoint_one(entry[1])]
         except (Unavailable, TimeoutError):
+            for _, progress, _ in due:  # it may have been written, or not
+                if progress.answer_id in self._running:
+                    stored[progress.answer_id] = NOT_KNOWN
             raise
-        except AppError as exc:  # one answer the store refuses: the others still go
-            log.warning("a checkpoint was refused (%s); saving answers one by one", exc.message)
-            due = [entry for entry in due if await self._checkpoint_one(entry[1])]
         for seq, progress, base in due:
             if progress.answer_id in self._running:
                 self._checkpointed[progress.answer_id] = seq

@@ -358,24 +358,35 @@ class ChatTables:
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
         # what was added, appended to a row that holds what it went after (its size
         # in bytes says so): the same checkpoint sent again (after a commit whose
-        # answer was lost) finds the row grown, and leaves it as it is
+        # answer was lost) finds the row grown, and leaves it as it is; an answer
+        # whose stored size is not known (`content_from` -1) is sent whole
         json = self.db.dialect.json
-        await self.db.executemany(
-            "UPDATE messages SET content = content || ?, reasoning = reasoning || ?,"
-            " steps = ? WHERE id = ? AND status = 'streaming'"
-            " AND {content_octets} = ? AND {reasoning_octets} = ?",
-            [
-                (
-                    c.content,
-                    c.reasoning,
-                    json(c.steps),
-                    c.answer_id,
-                    c.content_from,
-                    c.reasoning_from,
+        added = [c for c in progress if c.content_from >= 0]
+        whole = [c for c in progress if c.content_from < 0]
+        async with self.db.transaction() as tx:
+            if added:
+                await tx.executemany(
+                    "UPDATE messages SET content = content || ?, reasoning = reasoning || ?,"
+                    " steps = ? WHERE id = ? AND status = 'streaming'"
+                    " AND {content_octets} = ? AND {reasoning_octets} = ?",
+                    [
+                        (
+                            c.content,
+                            c.reasoning,
+                            json(c.steps),
+                            c.answer_id,
+                            c.content_from,
+                            c.reasoning_from,
+                        )
+                        for c in added
+                    ],
                 )
-                for c in progress
-            ],
-        )
+            if whole:
+                await tx.executemany(
+                    "UPDATE messages SET content = ?, reasoning = ?, steps = ? WHERE id = ?"
+                    " AND status = 'streaming'",
+                    [(c.content, c.reasoning, json(c.steps), c.answer_id) for c in whole],
+                )
 
     @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:

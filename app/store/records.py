@@ -249,7 +249,9 @@ class Checkpoint:
     """A running answer as far as it got: its text, reasoning and progress lines.
     `content` and `reasoning` may be only what follows the first `content_from` and
     `reasoning_from` bytes (UTF-8) of them, which the store holds already: a
-    checkpoint then sends what was added, not the whole answer again."""
+    checkpoint then sends what was added, not the whole answer again. A `content_from`
+    of -1 says the store's copy is not known (a checkpoint whose outcome was lost):
+    the answer is sent whole."""
 
     answer_id: str
     content: str
