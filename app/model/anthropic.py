@@ -25,6 +25,7 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
+from .base import Traits
 from .errors import (
     CAUSES,
     ContextTooLong,
@@ -166,6 +167,11 @@ class AnthropicModel:
                 async for info in client.models.list(limit=100):
                     found.append((info.id, info.display_name or info.id))
         return found
+
+    def traits(self, model: str) -> Traits:
+        """Every model of the Messages API takes tools; its answers think when it is
+        given `thinking_tokens`."""
+        return Traits(tools=True, reasoning=True if self.thinking_tokens else None)
 
     async def probe(self) -> str | None:
         try:

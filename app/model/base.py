@@ -5,9 +5,19 @@ model implement."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .wire import Delta, Message, ToolTurn
+
+
+@dataclass(frozen=True, slots=True)
+class Traits:
+    """What is known of one model (PROTOCOL §13 `tools`, `reasoning`): whether it takes
+    tool calls, whether it reasons; None while it is not known (yet)."""
+
+    tools: bool | None = None
+    reasoning: bool | None = None
 
 
 class ChatModel(Protocol):
@@ -49,6 +59,10 @@ class ChatModel(Protocol):
     ) -> ToolTurn:
         """One streamed request with `tools` (OpenAI's format), read to its end: the
         text and the calls. `ToolsUnsupported` when the request is refused for its tools."""
+        ...
+
+    def traits(self, model: str) -> Traits:
+        """What its provider's model list said of `model`, or its answers showed."""
         ...
 
     async def probe(self) -> str | None:

@@ -29,6 +29,7 @@ import orjson
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
 from .base import ChatModel as ChatModel
+from .base import Traits
 from .errors import (
     ContextTooLong,
     NoToolTurn,
@@ -44,6 +45,7 @@ from .quirks import (
     SYSTEM_PROMPT_PLACES,
     instructions_estimate,
     instructions_uncounted,
+    listed_traits,
     refused_parameter,
     with_instructions_in_user,
     without_refused,
@@ -91,6 +93,10 @@ class LLMClient:
         self.refused: dict[str, set[str]] = {}
         #: models whose server cannot stream tool calls: their tool rounds are not streamed
         self.unstreamed_tools: set[str] = set()
+        #: whether a model takes tool calls, as its model list said or a tool turn showed
+        self.tools: dict[str, bool] = {}
+        #: whether a model reasons, as its model list said
+        self.listed_reasoning: dict[str, bool] = {}
         #: models whose prompt count was looked at for a dropped system prompt
         self.counted: set[str] = set()
         self.warned_uncounted: set[str] = set()
@@ -226,12 +232,32 @@ class LLMClient:
             models = orjson.loads(body).get("data")
         except (orjson.JSONDecodeError, AttributeError):
             return
-        for entry in models if isinstance(models, list) else ():
+        self.learn_listed(models if isinstance(models, list) else [])
+
+    def learn_listed(self, entries: Sequence[Any]) -> None:
+        """What the entries of a model list (`GET /models`'s `data`) say of each model:
+        its format (`_learn_listed`), whether it takes tools and whether it reasons
+        (`quirks.listed_traits`). What a tool turn showed wins over the list."""
+        for entry in entries:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                 continue
+            name = entry["id"]
             said = [entry.get(key) for key in ("id", "root", "parent")]
             if any(isinstance(what, str) and OPEN_LEFT_OUT.search(what) for what in said):
-                self.open_left_out.add(entry["id"])
+                self.open_left_out.add(name)
+            tools, reasoning = listed_traits(entry)
+            if tools is not None:
+                self.tools.setdefault(name, tools)
+            if reasoning is not None:
+                self.listed_reasoning[name] = reasoning
+
+    def traits(self, model: str) -> Traits:
+        """Whether `model` takes tools (its list said, or a tool turn showed) and whether
+        it reasons (its name, its list, or its answers said); None: not known yet."""
+        reasoning = self.listed_reasoning.get(model)
+        if self.reasons(model) or model in self.open_left_out:
+            reasoning = True
+        return Traits(tools=self.tools.get(model), reasoning=reasoning)
 
     def _splitter(self, name: str) -> ThinkSplitter:
         return ThinkSplitter(
@@ -408,6 +434,21 @@ class LLMClient:
         *,
         model: str | None = None,
     ) -> ToolTurn:
+        """One tool turn (`_tool_turn`); a turn with calls shows that the model takes
+        tools, `ToolsUnsupported` that it does not (`traits`)."""
+        name = model or self.settings.model
+        try:
+            turn = await self._tool_turn(messages, tools, name)
+        except ToolsUnsupported:
+            self.tools[name] = False
+            raise
+        if turn.calls:
+            self.tools[name] = True
+        return turn
+
+    async def _tool_turn(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], name: str
+    ) -> ToolTurn:
         """Streamed, so that a cancel closes the request at once and a proxy that cuts
         quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
         `index`, several calls in one answer) are put together as they come. A server
@@ -416,7 +457,6 @@ class LLMClient:
         model; when that fails too, or when a refusal names the tools themselves,
         `ToolsUnsupported`."""
         client = self._require()
-        name = model or self.settings.model
         body = {
             "model": name,
             "messages": list(messages),

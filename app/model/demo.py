@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 import orjson
 
 from ..prompts import Prompts
+from .base import Traits
 from .errors import ToolsUnsupported
 from .wire import Delta, Message, ToolTurn
 
@@ -50,6 +51,10 @@ class DemoModel:
 
     async def probe(self) -> str | None:
         return None
+
+    def traits(self, model: str) -> Traits:
+        """It reasons, and takes no tools (it plans in JSON)."""
+        return Traits(tools=False, reasoning=True)
 
     async def stream(
         self, messages: Sequence[Message], *, model: str | None = None
