@@ -84,6 +84,8 @@ class LLMClient:
         self.open_left_out: set[str] = set()
         #: models seen to reason (for this process): their short calls get room for it
         self.reasoners: set[str] = set()
+        #: models whose answer ended without a lone `</think>`: their text is not held back
+        self.formats_known: set[str] = set()
         if settings.system_prompt not in SYSTEM_PROMPT_PLACES:
             raise ConfigError(
                 f"llm.system_prompt must be one of {', '.join(SYSTEM_PROMPT_PLACES)},"
@@ -155,7 +157,7 @@ class LLMClient:
                         try:
                             done = decoder.feed(data)
                         except StreamError:
-                            for delta in out:  # what came before the bad chunk
+                            for delta in out + decoder.splitter.release():  # what came before
                                 yield delta
                             raise
                         if out:
@@ -168,9 +170,10 @@ class LLMClient:
                             break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
-        for delta in decoder.end():
+        ended = decoder.end()
+        self._learned(name, decoder)
+        for delta in ended:
             yield delta
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
 
     async def answer(
         self,
@@ -191,10 +194,22 @@ class LLMClient:
         if self._listing is not None and not self._listing.done():
             await self._listed()
         decoder = AnswerDecoder(self._watch_count(name, messages, sink), self._splitter(name))
-        await self._read(client, self._answer_body(messages, name), decoder)
-        for delta in decoder.end():
+        try:
+            await self._read(client, self._answer_body(messages, name), decoder)
+        except BaseException:  # cancelled or broken: what was held back is saved as answer
+            for delta in decoder.splitter.release():
+                sink(delta)
+            raise
+        ended = decoder.end()
+        self._learned(name, decoder)
+        for delta in ended:
             sink(delta)
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    def _learned(self, name: str, decoder: AnswerDecoder) -> None:
+        """What a streamed answer that ended showed of its model (`_learn`)."""
+        splitter = decoder.splitter
+        whole = decoder.finish != "length"
+        self._learn(name, lone_close=splitter.lone_close, reasoned=splitter.tagged, whole=whole)
 
     async def _read(
         self, client: openai.AsyncOpenAI, body: dict[str, Any], decoder: AnswerDecoder
@@ -260,13 +275,22 @@ class LLMClient:
         return Traits(tools=self.tools.get(model), reasoning=reasoning)
 
     def _splitter(self, name: str) -> ThinkSplitter:
-        return ThinkSplitter(
-            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
-        )
+        """The splitter of an answer by `name`: split from its start when it is known to
+        leave the opening `<think>` out; its text held back until its format shows
+        (`ThinkSplitter`) when nothing is known of it — no answer of it ended here yet,
+        and its model list did not say it never reasons."""
+        if name in self.open_left_out or OPEN_LEFT_OUT.search(name):
+            return ThinkSplitter(assume_open=True)
+        known = name in self.formats_known or self.listed_reasoning.get(name) is False
+        return ThinkSplitter(hold=not known)
 
-    def _learn(self, name: str, *, lone_close: bool, reasoned: bool) -> None:
+    def _learn(self, name: str, *, lone_close: bool, reasoned: bool, whole: bool = False) -> None:
         """Remember what a model's answer showed of it: that it leaves the opening
-        `<think>` out (its next answers are split from their start), that it reasons."""
+        `<think>` out (its next answers are split from their start), that it reasons;
+        that it does not (a `whole` streamed answer, not cut at its cap, without a lone
+        `</think>`): its next answers are not held back."""
+        if whole and not lone_close:
+            self.formats_known.add(name)
         if lone_close and name not in self.open_left_out:
             log.info(
                 "model %s leaves the opening <think> out: its answers are split from their start",
