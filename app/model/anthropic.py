@@ -25,7 +25,7 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
-from .base import Traits
+from .base import ChatModel, Traits
 from .errors import (
     CAUSES,
     ContextTooLong,
@@ -41,7 +41,7 @@ log = logging.getLogger("app.llm")  # the model's log lines keep one name
 PROBE_SECONDS = 10.0
 
 
-class AnthropicModel:
+class AnthropicModel(ChatModel):
     """One Anthropic provider; `settings` is `[llm]` with the provider's keys over it
     (its address, key, models, window and output cap), so the timeouts are `[llm]`'s."""
 
@@ -96,17 +96,6 @@ class AnthropicModel:
                     queue.clear()
         for delta in reader.end():
             yield delta
-
-    async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
-    ) -> None:
-        """What `stream` yields, handed to `sink` as it comes; cancelling is safe."""
-        async for delta in self.stream(messages, model=model):
-            sink(delta)
 
     async def complete(
         self,

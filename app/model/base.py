@@ -21,8 +21,9 @@ class Traits:
 
 
 class ChatModel(Protocol):
-    """What answers: `LLMClient` (any OpenAI-compatible server) or the built-in demo
-    model (`app.model.demo`), chosen by `llm.base_url` (`open_model`)."""
+    """What answers: `LLMClient` (any OpenAI-compatible server), `AnthropicModel` or the
+    built-in demo model (`app.model.demo`), chosen by `llm.base_url` (`open_model`) and
+    the providers. A class that names it as its base gets its `answer`."""
 
     @property
     def configured(self) -> bool: ...
@@ -38,8 +39,11 @@ class ChatModel(Protocol):
         *,
         model: str | None = None,
     ) -> None:
-        """What `stream` yields, handed to `sink` as it comes; returns at the end."""
-        ...
+        """What `stream` yields, handed to `sink` as it comes; returns at the end.
+        Cancelling is safe (it closes the stream). A model that can hand deltas on
+        for less than a task's step a token (`LLMClient`) has its own."""
+        async for delta in self.stream(messages, model=model):
+            sink(delta)
 
     async def complete(
         self,
