@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import orjson
 
 from ..config import LLMSettings
@@ -35,6 +34,9 @@ from .errors import (
     redact,
 )
 from .wire import Delta, Message, ToolCall, ToolTurn
+
+if TYPE_CHECKING:  # the SDK takes a second to import: only a provider that uses it does
+    import anthropic
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
 
@@ -55,6 +57,8 @@ class AnthropicModel(ChatModel):
         self.thinking_tokens = thinking_tokens
         self._client: anthropic.AsyncAnthropic | None = None
         if settings.api_key:
+            import anthropic
+
             self._client = anthropic.AsyncAnthropic(
                 api_key=settings.api_key,
                 base_url=settings.base_url or None,
@@ -188,6 +192,8 @@ class AnthropicModel(ChatModel):
     def _errors(self, model: str) -> Iterator[None]:
         """The SDK's errors as ours, in words naming the provider and the model (the
         API's own text goes to the log only, redacted: it may quote the prompt)."""
+        import anthropic  # imported by now: the client is made only with it
+
         what = f"model {model} of provider {self.provider}"
         try:
             yield
