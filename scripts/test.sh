@@ -37,7 +37,4 @@ bash scripts/real_model.sh >/dev/null
 site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 rm -rf "$site"
-# two workers (pytest-xdist; TEST_WORKERS=0 runs in one process): most tests wait on servers,
-# processes and clocks, so two share the two cores; the tests that share something a machine
-# has once (the real model, the Perplexica UI's fixed port) run on one worker (tests/conftest.py)
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest "$@"

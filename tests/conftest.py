@@ -38,28 +38,6 @@ async def _as_user(request: httpx.Request) -> None:
 USER: dict[str, Any] = {"request": [_as_user]}
 
 
-#: markers of tests that share what a machine has once, run on one worker under xdist
-#: (`--dist loadgroup`): the Perplexica UI is built for one fixed port (`API_PORT`), and the
-#: real model is one llama.cpp server that takes both cores while it answers
-ONE_WORKER = ("perplexica_ui", "real_model")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (a worker collects), each of `ONE_WORKER`'s groups goes to one
-    worker, and first: the longest stretches start at once while the others take the rest."""
-    if not hasattr(config, "workerinput"):
-        return
-    first: list[pytest.Item] = []
-    for item in items:
-        group = next((m for m in ONE_WORKER if item.get_closest_marker(m)), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-            first.append(item)
-    if first:
-        chosen = set(first)
-        items[:] = first + [item for item in items if item not in chosen]
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
