@@ -600,3 +600,18 @@ async def test_a_held_first_answer_cut_short_still_hands_out_its_text(model_url,
         await client.aclose()
     assert got and {kind for kind, _ in got} == {"content"}
     assert "".join(t for _, t in got).startswith("tok0 tok1 tok2 ")
+
+
+async def test_a_short_call_that_ended_without_a_lone_tag_lets_the_answers_stream(
+    model_url, fake_model
+):
+    """A short call of the model read to its end (not cut at `max_tokens`) with no lone
+    `</think>` shows what the model is, as an answer would: its first answer is not held."""
+    client = llm(model_url, fake_model.api_key, small_model="m")
+    try:
+        assert await client.complete([{"role": "user", "content": "Write a title"}])
+        assert await first_text_comes_while_streaming(
+            client, fake_model, "#tokens=6 #delay=0.05 #reasoning=0"
+        )
+    finally:
+        await client.aclose()

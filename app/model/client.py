@@ -287,7 +287,7 @@ class LLMClient:
     def _learn(self, name: str, *, lone_close: bool, reasoned: bool, whole: bool = False) -> None:
         """Remember what a model's answer showed of it: that it leaves the opening
         `<think>` out (its next answers are split from their start), that it reasons;
-        that it does not (a `whole` streamed answer, not cut at its cap, without a lone
+        that it does not (a `whole` answer, not cut at its cap, without a lone
         `</think>`): its next answers are not held back."""
         if whole and not lone_close:
             self.formats_known.add(name)
@@ -446,7 +446,8 @@ class LLMClient:
                 await self._read(client, body, decoder)
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
-        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
+        whole = decoder.finish == "stop"  # not cut at max_tokens: a lone tag would be in it
+        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning), whole=whole)
         if self.settings.system_prompt == "system" and usage is not None:
             self._check_count(name, usage, instructions_estimate(messages))
         return content.strip()
