@@ -549,3 +549,69 @@ async def test_an_empty_answer_is_taken_for_a_prompt_over_the_window(model_url, 
     finally:
         await client.aclose()
     assert "context window" in raised.value.message and "empty" not in raised.value.message
+
+
+async def first_text_comes_while_streaming(client: LLMClient, fake_model, content: str) -> bool:
+    """Whether the answer's first text reaches the caller before the model sent it all
+    (`#tokens=6`)."""
+    async for delta in client.stream([{"role": "user", "content": content}]):
+        if delta.kind == "content":
+            return fake_model.streams[-1].tokens_sent < 6
+    raise AssertionError("no text")
+
+
+async def test_only_the_first_answer_of_a_model_nothing_is_known_of_is_held_back(
+    model_url, fake_model
+):
+    """Its text could be reasoning ended by a lone `</think>`: held until the answer
+    shows it is not (its end); from its second answer on it streams at once, as does the
+    first answer of a model its list says does not reason."""
+    slow = "#tokens=6 #delay=0.05 #reasoning=0"
+    client = llm(model_url, fake_model.api_key)
+    try:
+        assert not await first_text_comes_while_streaming(client, fake_model, slow)
+        assert await first_text_comes_while_streaming(client, fake_model, slow)
+    finally:
+        await client.aclose()
+    fake_model.listed[:] = [{"id": "m", "object": "model", "supported_parameters": ["tools"]}]
+    client = llm(model_url, fake_model.api_key)
+    try:
+        assert await client.probe() is None
+        assert await first_text_comes_while_streaming(client, fake_model, slow)
+    finally:
+        await client.aclose()
+
+
+async def test_a_held_first_answer_cut_short_still_hands_out_its_text(model_url, fake_model):
+    client = llm(model_url, fake_model.api_key)
+    got: list[tuple[str, str]] = []
+    task = asyncio.create_task(answered(client, "#tokens=40 #delay=0.05 #reasoning=0", got))
+    try:
+
+        async def three_sent() -> bool:
+            return bool(fake_model.streams) and fake_model.streams[-1].tokens_sent >= 3
+
+        await wait_for(three_sent)
+        assert got == []  # held: it could still be reasoning
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await client.aclose()
+    assert got and {kind for kind, _ in got} == {"content"}
+    assert "".join(t for _, t in got).startswith("tok0 tok1 tok2 ")
+
+
+async def test_a_short_call_that_ended_without_a_lone_tag_lets_the_answers_stream(
+    model_url, fake_model
+):
+    """A short call of the model read to its end (not cut at `max_tokens`) with no lone
+    `</think>` shows what the model is, as an answer would: its first answer is not held."""
+    client = llm(model_url, fake_model.api_key, small_model="m")
+    try:
+        assert await client.complete([{"role": "user", "content": "Write a title"}])
+        assert await first_text_comes_while_streaming(
+            client, fake_model, "#tokens=6 #delay=0.05 #reasoning=0"
+        )
+    finally:
+        await client.aclose()

@@ -13,7 +13,12 @@ from app.config import LLMSettings
 from app.errors import ConfigError
 from app.main import create_app
 from app.model import LLMClient
-from app.model.quirks import refused_parameter, with_instructions_in_user, without_refused
+from app.model.quirks import (
+    listed_traits,
+    refused_parameter,
+    with_instructions_in_user,
+    without_refused,
+)
 from tests.client import answer_of, chat_body, reasoning_of, sse_chat
 from tests.conftest import USER
 from tests.servers import serve
@@ -285,3 +290,17 @@ async def test_the_first_answer_of_a_fresh_server_shows_no_reasoning_as_answer(
     assert events[-1].data["status"] == "completed"
     assert answer_of(events) == "The answer."
     assert reasoning_of(events) == "Let me think."
+
+
+def test_a_model_list_says_whether_a_model_takes_tools_and_reasons():
+    # OpenRouter names every parameter a model takes: what is not there it does not take
+    openrouter = {"id": "a/b", "supported_parameters": ["tools", "tool_choice", "reasoning"]}
+    assert listed_traits(openrouter) == (True, True)
+    assert listed_traits({"id": "a/c", "supported_parameters": ["max_tokens"]}) == (False, False)
+    # a `capabilities` list (Ollama's, LM Studio's) counts for what it names
+    assert listed_traits({"id": "q", "capabilities": ["completion", "tools", "thinking"]}) == (
+        True,
+        True,
+    )
+    assert listed_traits({"id": "g", "capabilities": ["completion"]}) == (None, None)
+    assert listed_traits({"id": "plain", "object": "model"}) == (None, None)

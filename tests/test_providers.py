@@ -367,3 +367,42 @@ def test_the_web_client_picks_a_model_keeps_it_and_shows_who_answered(providers,
         assert page.text_content(".turn .answered-by") == "other-chat · second"
         assert page.input_value("#model") == picked
         assert errors == []
+
+
+async def test_models_say_whether_they_take_tools_as_listed_or_learned(
+    providers, second, fake_model
+):
+    """`tools`: what a provider's model list says (OpenRouter's `supported_parameters`
+    names every parameter a model takes), true on Anthropic's Messages API, and for a
+    list that says nothing (the default's) null until a tool turn shows it."""
+    second.listed[:] = [
+        {"id": "other-chat", "object": "model", "supported_parameters": ["tools", "reasoning"]},
+        {"id": "other-small", "object": "model", "supported_parameters": ["max_tokens"]},
+    ]
+    with serve(create_app(providers)) as running:
+        async with httpx.AsyncClient(base_url=running.url, timeout=30, event_hooks=USER) as http:
+
+            async def models() -> dict[tuple[str, str], dict[str, object]]:
+                listed = (await http.get("/api/providers")).json()["providers"]
+                return {(p["id"], m["id"]): m for p in listed for m in p["models"]}
+
+            found = await models()
+            assert found["second", "other-chat"]["tools"] is True
+            assert found["second", "other-chat"]["reasoning"] is True
+            assert found["second", "other-small"]["tools"] is False
+            assert found["second", "other-small"]["reasoning"] is False
+            assert found["claude", "claude-test"]["tools"] is True
+            assert found["default", "fake-chat"]["tools"] is None  # not known yet
+
+            fake_model.tool_rounds[:] = [[("web_search", {"query": "raptor methane"})]]
+            body = chat_body(LONG, focusMode="webSearch", optimizationMode="balanced")
+            events = await sse_chat(http, body)
+            assert events[-1].data["status"] == "completed"
+            assert fake_model.tool_requests()  # the answer ran a tool round
+            assert (await models())["default", "fake-chat"]["tools"] is True
+
+            fake_model.tools_refused = True
+            body = chat_body(LONG + " again", focusMode="webSearch", optimizationMode="balanced")
+            events = await sse_chat(http, body)
+            assert events[-1].data["status"] == "completed"
+            assert (await models())["default", "fake-chat"]["tools"] is False

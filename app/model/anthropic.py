@@ -18,13 +18,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
+from .base import ChatModel, Traits
 from .errors import (
     CAUSES,
     ContextTooLong,
@@ -35,12 +35,15 @@ from .errors import (
 )
 from .wire import Delta, Message, ToolCall, ToolTurn
 
+if TYPE_CHECKING:  # the SDK takes a second to import: only a provider that uses it does
+    import anthropic
+
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
 
 PROBE_SECONDS = 10.0
 
 
-class AnthropicModel:
+class AnthropicModel(ChatModel):
     """One Anthropic provider; `settings` is `[llm]` with the provider's keys over it
     (its address, key, models, window and output cap), so the timeouts are `[llm]`'s."""
 
@@ -54,6 +57,8 @@ class AnthropicModel:
         self.thinking_tokens = thinking_tokens
         self._client: anthropic.AsyncAnthropic | None = None
         if settings.api_key:
+            import anthropic
+
             self._client = anthropic.AsyncAnthropic(
                 api_key=settings.api_key,
                 base_url=settings.base_url or None,
@@ -95,17 +100,6 @@ class AnthropicModel:
                     queue.clear()
         for delta in reader.end():
             yield delta
-
-    async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
-    ) -> None:
-        """What `stream` yields, handed to `sink` as it comes; cancelling is safe."""
-        async for delta in self.stream(messages, model=model):
-            sink(delta)
 
     async def complete(
         self,
@@ -167,6 +161,11 @@ class AnthropicModel:
                     found.append((info.id, info.display_name or info.id))
         return found
 
+    def traits(self, model: str) -> Traits:
+        """Every model of the Messages API takes tools; its answers think when it is
+        given `thinking_tokens`."""
+        return Traits(tools=True, reasoning=True if self.thinking_tokens else None)
+
     async def probe(self) -> str | None:
         try:
             await self.models()
@@ -193,6 +192,8 @@ class AnthropicModel:
     def _errors(self, model: str) -> Iterator[None]:
         """The SDK's errors as ours, in words naming the provider and the model (the
         API's own text goes to the log only, redacted: it may quote the prompt)."""
+        import anthropic  # imported by now: the client is made only with it
+
         what = f"model {model} of provider {self.provider}"
         try:
             yield

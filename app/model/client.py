@@ -29,6 +29,7 @@ import orjson
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
 from .base import ChatModel as ChatModel
+from .base import Traits
 from .errors import (
     ContextTooLong,
     NoToolTurn,
@@ -44,6 +45,7 @@ from .quirks import (
     SYSTEM_PROMPT_PLACES,
     instructions_estimate,
     instructions_uncounted,
+    listed_traits,
     refused_parameter,
     with_instructions_in_user,
     without_refused,
@@ -82,6 +84,8 @@ class LLMClient:
         self.open_left_out: set[str] = set()
         #: models seen to reason (for this process): their short calls get room for it
         self.reasoners: set[str] = set()
+        #: models whose answer ended without a lone `</think>`: their text is not held back
+        self.formats_known: set[str] = set()
         if settings.system_prompt not in SYSTEM_PROMPT_PLACES:
             raise ConfigError(
                 f"llm.system_prompt must be one of {', '.join(SYSTEM_PROMPT_PLACES)},"
@@ -91,6 +95,10 @@ class LLMClient:
         self.refused: dict[str, set[str]] = {}
         #: models whose server cannot stream tool calls: their tool rounds are not streamed
         self.unstreamed_tools: set[str] = set()
+        #: whether a model takes tool calls, as its model list said or a tool turn showed
+        self.tools: dict[str, bool] = {}
+        #: whether a model reasons, as its model list said
+        self.listed_reasoning: dict[str, bool] = {}
         #: models whose prompt count was looked at for a dropped system prompt
         self.counted: set[str] = set()
         self.warned_uncounted: set[str] = set()
@@ -149,7 +157,7 @@ class LLMClient:
                         try:
                             done = decoder.feed(data)
                         except StreamError:
-                            for delta in out:  # what came before the bad chunk
+                            for delta in out + decoder.splitter.release():  # what came before
                                 yield delta
                             raise
                         if out:
@@ -162,9 +170,10 @@ class LLMClient:
                             break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
-        for delta in decoder.end():
+        ended = decoder.end()
+        self._learned(name, decoder)
+        for delta in ended:
             yield delta
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
 
     async def answer(
         self,
@@ -185,10 +194,22 @@ class LLMClient:
         if self._listing is not None and not self._listing.done():
             await self._listed()
         decoder = AnswerDecoder(self._watch_count(name, messages, sink), self._splitter(name))
-        await self._read(client, self._answer_body(messages, name), decoder)
-        for delta in decoder.end():
+        try:
+            await self._read(client, self._answer_body(messages, name), decoder)
+        except BaseException:  # cancelled or broken: what was held back is saved as answer
+            for delta in decoder.splitter.release():
+                sink(delta)
+            raise
+        ended = decoder.end()
+        self._learned(name, decoder)
+        for delta in ended:
             sink(delta)
-        self._learn(name, lone_close=decoder.splitter.lone_close, reasoned=decoder.splitter.tagged)
+
+    def _learned(self, name: str, decoder: AnswerDecoder) -> None:
+        """What a streamed answer that ended showed of its model (`_learn`)."""
+        splitter = decoder.splitter
+        whole = decoder.finish != "length"
+        self._learn(name, lone_close=splitter.lone_close, reasoned=splitter.tagged, whole=whole)
 
     async def _read(
         self, client: openai.AsyncOpenAI, body: dict[str, Any], decoder: AnswerDecoder
@@ -226,21 +247,50 @@ class LLMClient:
             models = orjson.loads(body).get("data")
         except (orjson.JSONDecodeError, AttributeError):
             return
-        for entry in models if isinstance(models, list) else ():
+        self.learn_listed(models if isinstance(models, list) else [])
+
+    def learn_listed(self, entries: Sequence[Any]) -> None:
+        """What the entries of a model list (`GET /models`'s `data`) say of each model:
+        its format (`_learn_listed`), whether it takes tools and whether it reasons
+        (`quirks.listed_traits`). What a tool turn showed wins over the list."""
+        for entry in entries:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                 continue
+            name = entry["id"]
             said = [entry.get(key) for key in ("id", "root", "parent")]
             if any(isinstance(what, str) and OPEN_LEFT_OUT.search(what) for what in said):
-                self.open_left_out.add(entry["id"])
+                self.open_left_out.add(name)
+            tools, reasoning = listed_traits(entry)
+            if tools is not None:
+                self.tools.setdefault(name, tools)
+            if reasoning is not None:
+                self.listed_reasoning[name] = reasoning
+
+    def traits(self, model: str) -> Traits:
+        """Whether `model` takes tools (its list said, or a tool turn showed) and whether
+        it reasons (its name, its list, or its answers said); None: not known yet."""
+        reasoning = self.listed_reasoning.get(model)
+        if self.reasons(model) or model in self.open_left_out:
+            reasoning = True
+        return Traits(tools=self.tools.get(model), reasoning=reasoning)
 
     def _splitter(self, name: str) -> ThinkSplitter:
-        return ThinkSplitter(
-            assume_open=name in self.open_left_out or bool(OPEN_LEFT_OUT.search(name))
-        )
+        """The splitter of an answer by `name`: split from its start when it is known to
+        leave the opening `<think>` out; its text held back until its format shows
+        (`ThinkSplitter`) when nothing is known of it — no answer of it ended here yet,
+        and its model list did not say it never reasons."""
+        if name in self.open_left_out or OPEN_LEFT_OUT.search(name):
+            return ThinkSplitter(assume_open=True)
+        known = name in self.formats_known or self.listed_reasoning.get(name) is False
+        return ThinkSplitter(hold=not known)
 
-    def _learn(self, name: str, *, lone_close: bool, reasoned: bool) -> None:
+    def _learn(self, name: str, *, lone_close: bool, reasoned: bool, whole: bool = False) -> None:
         """Remember what a model's answer showed of it: that it leaves the opening
-        `<think>` out (its next answers are split from their start), that it reasons."""
+        `<think>` out (its next answers are split from their start), that it reasons;
+        that it does not (a `whole` answer, not cut at its cap, without a lone
+        `</think>`): its next answers are not held back."""
+        if whole and not lone_close:
+            self.formats_known.add(name)
         if lone_close and name not in self.open_left_out:
             log.info(
                 "model %s leaves the opening <think> out: its answers are split from their start",
@@ -396,7 +446,8 @@ class LLMClient:
                 await self._read(client, body, decoder)
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
-        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning))
+        whole = decoder.finish == "stop"  # not cut at max_tokens: a lone tag would be in it
+        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning), whole=whole)
         if self.settings.system_prompt == "system" and usage is not None:
             self._check_count(name, usage, instructions_estimate(messages))
         return content.strip()
@@ -408,6 +459,21 @@ class LLMClient:
         *,
         model: str | None = None,
     ) -> ToolTurn:
+        """One tool turn (`_tool_turn`); a turn with calls shows that the model takes
+        tools, `ToolsUnsupported` that it does not (`traits`)."""
+        name = model or self.settings.model
+        try:
+            turn = await self._tool_turn(messages, tools, name)
+        except ToolsUnsupported:
+            self.tools[name] = False
+            raise
+        if turn.calls:
+            self.tools[name] = True
+        return turn
+
+    async def _tool_turn(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], name: str
+    ) -> ToolTurn:
         """Streamed, so that a cancel closes the request at once and a proxy that cuts
         quiet connections never sees one; the calls' pieces (`tool_calls` deltas by
         `index`, several calls in one answer) are put together as they come. A server
@@ -416,7 +482,6 @@ class LLMClient:
         model; when that fails too, or when a refusal names the tools themselves,
         `ToolsUnsupported`."""
         client = self._require()
-        name = model or self.settings.model
         body = {
             "model": name,
             "messages": list(messages),

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
 from ..prompts import Prompts
+from .base import ChatModel, Traits
 from .errors import ToolsUnsupported
 from .wire import Delta, Message, ToolTurn
 
@@ -35,7 +36,7 @@ def is_demo(base_url: str) -> bool:
     return base_url == DEMO or base_url.startswith(DEMO + "://")
 
 
-class DemoModel:
+class DemoModel(ChatModel):
     """Answers as a model would, without one (see the module docstring)."""
 
     configured = True
@@ -50,6 +51,10 @@ class DemoModel:
 
     async def probe(self) -> str | None:
         return None
+
+    def traits(self, model: str) -> Traits:
+        """It reasons, and takes no tools (it plans in JSON)."""
+        return Traits(tools=False, reasoning=True)
 
     async def stream(
         self, messages: Sequence[Message], *, model: str | None = None
@@ -74,16 +79,6 @@ class DemoModel:
         for piece in _WORDS.findall(_answer(question, sources)):
             yield Delta("content", piece)
             await asyncio.sleep(self.pace)
-
-    async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
-    ) -> None:
-        async for delta in self.stream(messages, model=model):
-            sink(delta)
 
     async def tool_turn(
         self,

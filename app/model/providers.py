@@ -26,6 +26,7 @@ from ..chores import Chores
 from ..config import DEFAULT_PROVIDER, LLMSettings, ProviderSettings, Settings
 from ..errors import AppError, BadRequest, ModelError, StreamError
 from .anthropic import AnthropicModel
+from .base import Traits
 from .client import ChatModel, LLMClient
 from .tokens import REASONING
 from .wire import Delta, Message, ToolTurn
@@ -50,13 +51,15 @@ class ModelInfo:
     #: it thinks for sure (an Anthropic provider with `thinking_tokens`); else its name says
     thinks: bool = False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, known: Traits) -> dict[str, Any]:
+        """`tools` and `reasoning` are what is `known` of it (its provider's model list,
+        its answers), null while nothing is."""
         return {
             "id": self.id,
             "name": self.name,
             "contextTokens": self.context_tokens,
-            "tools": None,
-            "reasoning": True if self.thinks or REASONING.search(self.id) else None,
+            "tools": known.tools,
+            "reasoning": True if self.thinks or REASONING.search(self.id) else known.reasoning,
         }
 
 
@@ -90,7 +93,7 @@ class Provider:
             "name": self.name,
             "type": self.type,
             "status": self.status,
-            "models": [m.to_json() for m in self.models],
+            "models": [m.to_json(self.client.traits(m.id)) for m in self.models],
         }
         if self.error:
             out["error"] = self.error
@@ -298,6 +301,8 @@ async def _listing(provider: Provider) -> list[tuple[str, str]]:
     )
     try:
         page = await lister.models.list()
+        if isinstance(client, LLMClient):  # what the list says of each: tools, reasoning
+            client.learn_listed([m.to_dict() for m in page.data])
         return [(m.id, m.id) for m in page.data]
     except openai.APIStatusError as exc:
         if exc.status_code in (401, 403):
@@ -375,6 +380,9 @@ class Bound:
     ) -> ToolTurn:
         with self._named(model or self.model):
             return await self.client.tool_turn(messages, tools, model=model or self.model)
+
+    def traits(self, model: str) -> Traits:
+        return self.client.traits(model)
 
     async def probe(self) -> str | None:
         return await self.client.probe()

@@ -106,3 +106,31 @@ def instructions_uncounted(usage: Mapping[str, Any] | None, estimate: int) -> bo
 def instructions_estimate(messages: Sequence[Mapping[str, Any]]) -> int:
     """What the system messages of `messages` should count, cautiously (`tokens_in`)."""
     return tokens_in(instructions(messages))
+
+
+#: what a model list's `capabilities` (Ollama's, LM Studio's) names tool calls and thinking by
+_TOOL_CAPABILITIES = frozenset({"tools", "tool_use", "function_calling"})
+_THINKING_CAPABILITIES = frozenset({"thinking", "reasoning"})
+#: OpenRouter's `supported_parameters` that say a model reasons
+_REASONING_PARAMETERS = frozenset({"reasoning", "include_reasoning"})
+
+
+def listed_traits(entry: Mapping[str, Any]) -> tuple[bool | None, bool | None]:
+    """What one entry of a server's model list says of the model: (takes tools, reasons),
+    each None when it does not say. OpenRouter lists every parameter a model takes
+    (`supported_parameters`): what is not there it does not take. A `capabilities` list
+    (Ollama's, LM Studio's) names what a model can do, but not every server names tools
+    there: only what it names counts."""
+    tools: bool | None = None
+    reasoning: bool | None = None
+    parameters = entry.get("supported_parameters")
+    if isinstance(parameters, list):
+        tools = "tools" in parameters
+        reasoning = not _REASONING_PARAMETERS.isdisjoint(parameters)
+    capabilities = entry.get("capabilities")
+    if isinstance(capabilities, list):
+        if not _TOOL_CAPABILITIES.isdisjoint(capabilities):
+            tools = True
+        if not _THINKING_CAPABILITIES.isdisjoint(capabilities):
+            reasoning = True
+    return tools, reasoning

@@ -158,7 +158,7 @@ def _decode_chunk(payload: bytes, splitter: ThinkSplitter, decoder: AnswerDecode
         raise StreamError("the model sent a malformed chunk") from exc
     out: list[Delta] = []
     if reasoning:
-        splitter.reasoning_apart()
+        out.extend(splitter.reasoning_apart())
         out.append(Delta("reasoning", reasoning))
     if content:
         out.extend(splitter.feed(content))
@@ -189,39 +189,55 @@ class ThinkSplitter:
     models) leave the opening tag out: the content begins with reasoning and has a
     lone `</think>`. With `assume_open` (a model known to do so) the content starts as
     reasoning, and turns out to have been the answer only if no `</think>` comes.
-    Without it, nothing is held back — a chunk costs what it did — so the reasoning
-    before a lone `</think>` has already gone out as text when the tag comes: the tag
-    is taken out of the text and reported (`lone_close`), and the caller remembers the
-    model so that its next answers are split from their start. A model's format is
+
+    A model whose format is not known (`hold`: its name, its server's model list and
+    its earlier answers in this process say nothing) could be one of those, and the
+    protocol has no way to take back text once sent (`message` chunks only add up),
+    so its text is held back until the format shows: a lone `</think>` (what was held
+    was reasoning), an opening `<think>` (tags come in pairs: what was held was the
+    answer), reasoning sent apart (`reasoning_apart`), or the answer's end (no tag: it
+    was all answer). The held deltas then go out as they came, in one go. That costs
+    the first token of a model's first answer in a process (the caller remembers what
+    it showed: later answers are not held), and nothing per token beyond one flag:
+    nothing is looked at per token but the `<` it may hold. `release` hands out what
+    is held when the answer stops early (cancelled, broken): as answer, as far as was
+    known. `lone_close` says a lone `</think>` was met, so that the caller remembers
+    the model and splits its next answers from their start; a model's format is
     learned before its first answer where it can be: by its name, and by what the
-    server's model list (read once at start) says it is — an alias listed with a
-    `root` such as DeepSeek-R1-Distill-… is split from its first answer. That costs
-    the first token nothing (an answer that starts while the list is still being read
-    waits for it, at most `client.LIST_SECONDS`). Holding back every first answer's
-    text until it is known to be no reasoning was not chosen: it would delay the
-    first token of every model that never reasons, by as much reasoning as it means
-    to catch (hundreds of tokens), and a plain model's answer may be all it holds. A
-    model that sends its reasoning apart (`reasoning_content`) is not assumed
-    anything of (`reasoning_apart`). Once a splitter is made, a chunk costs what it
-    did: nothing is looked at per token but the `<` it may hold."""
+    server's model list (read once at start) says — an alias listed with a `root`
+    such as DeepSeek-R1-Distill-… is split from its first answer, one listed as not
+    reasoning is not held."""
 
     OPEN, CLOSE = "<think>", "</think>"
 
-    def __init__(self, *, assume_open: bool = False) -> None:
+    def __init__(self, *, assume_open: bool = False, hold: bool = False) -> None:
         self.inside = assume_open
         self.assumed = assume_open
         self.tagged = False  # a tag was seen
         self.lone_close = False
+        #: the format is not known yet: text is held back (`_held`) until it is
+        self.holding = hold and not assume_open
+        #: whether a chunk without `<` needs more than to be passed on (assumed or held)
+        self._unsure = assume_open or self.holding
         self._pending = ""
         self._assumed_text: list[str] = []
+        self._held: list[Delta] = []
 
-    def reasoning_apart(self) -> None:
+    def reasoning_apart(self) -> list[Delta]:
+        """The model sends its reasoning apart (`reasoning_content`): its content is no
+        reasoning; what was held back of it, to go out before that reasoning."""
+        if not self._unsure:
+            return []
         if self.assumed and not self.tagged and not self._assumed_text:
             self.inside = self.assumed = False
+        return self.release()
 
     def feed(self, text: str) -> list[Delta]:
         if not self._pending and "<" not in text:  # the common case: nothing to look at
-            if self.assumed and not self.tagged:
+            if self._unsure:
+                if self.holding:
+                    self._held.append(Delta("content", text))
+                    return []
                 self._assumed_text.append(text)
             return [Delta("reasoning" if self.inside else "content", text)]
         text = self._pending + text
@@ -242,8 +258,14 @@ class ThinkSplitter:
                     out.append(Delta("reasoning" if self.inside else "content", text[:index]))
                 if tag == self.CLOSE and not self.inside:
                     self.lone_close = True
+                    if self.holding:  # what was held, and came before it, was reasoning
+                        out = [Delta("reasoning", d.text) for d in (*self._held, *out)]
                 else:
                     self.inside = not self.inside
+                    if self.holding:  # paired tags: what was held was the answer
+                        out = [*self._held, *out]
+                if self.holding:
+                    self._held, self.holding = [], False
                 self.tagged = True
                 text = text[index + len(tag) :]
                 continue
@@ -258,11 +280,25 @@ class ThinkSplitter:
                     self._assumed_text.append(text)
                 out.append(Delta("reasoning" if self.inside else "content", text))
             break
+        self._unsure = self.holding or (self.assumed and not self.tagged)
+        if self.holding:
+            self._held.extend(out)
+            return []
         return out
+
+    def release(self) -> list[Delta]:
+        """What is held back, as answer (no `</think>` came before the stream stopped);
+        nothing is held from then on."""
+        held, self._held = self._held, []
+        self.holding = False
+        self._unsure = self.assumed and not self.tagged
+        return held
 
     def flush(self) -> list[Delta]:
         pending, self._pending = self._pending, ""
         out = [Delta("reasoning" if self.inside else "content", pending)] if pending else []
+        if self.holding:
+            return self.release() + out
         if self.assumed and not self.tagged:
             # no `</think>` came: what was taken for reasoning was the answer
             out.append(Delta("content", "".join(self._assumed_text) + pending))
