@@ -61,6 +61,13 @@ class LLMSettings:
     #: where the instructions go: "system", or "user" for a chat template that drops
     #: system messages (llama.cpp's gemma format)
     system_prompt: str = "system"
+    #: how `<think>` tags in the answer's text read: "auto" (learned per model; the
+    #: first answer of a model nothing is known of is held back until its format
+    #: shows), "paired" (tags come in pairs or not at all: nothing is held back; a
+    #: lone `</think>` splits from where it comes), "open_left_out" (the text starts
+    #: as reasoning until a `</think>`: DeepSeek-R1 behind a server without a
+    #: reasoning parser)
+    think_tags: str = "auto"
 
     @property
     def effective_small_model(self) -> str:
@@ -94,6 +101,8 @@ class ProviderSettings:
     max_output_tokens: int = 0
     #: where the instructions go: "system", or "user" (empty: llm.system_prompt)
     system_prompt: str = ""
+    #: how `<think>` tags read: "auto", "paired" or "open_left_out" (empty: llm.think_tags)
+    think_tags: str = ""
     #: with accounts, only admins see and use it
     admin_only: bool = False
     #: type "anthropic": the tokens an answer may think before it writes (extended

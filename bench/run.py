@@ -120,6 +120,8 @@ def app_server(
         "LIMITS_MAX_CONCURRENT_GENERATIONS": "0",
         "LIMITS_WS_MESSAGES_PER_SECOND": "0",
         "APP_CONFIG": "",
+        # the fast model's text has no <think> tags: its first answers are not held back
+        "LLM_THINK_TAGS": "paired",
         **env,
     }
     if root != ROOT:  # its bytecode kept out of that checkout

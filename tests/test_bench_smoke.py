@@ -37,7 +37,8 @@ def fast_app(settings, fast_model):
     """The server (in-process, SQLite, no Redis) on the fast fake model, uncapped."""
     return create_app(
         settings.replace(
-            llm={"base_url": fast_model + "/v1"}, limits={"max_concurrent_generations": 0}
+            llm={"base_url": fast_model + "/v1", "think_tags": "paired"},
+            limits={"max_concurrent_generations": 0},
         )
     )
 

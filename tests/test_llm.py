@@ -9,13 +9,14 @@ import datetime
 import gzip
 import ssl
 from collections.abc import Callable
+from typing import Any
 
 import openai
 import pytest
 
 import app.model.client
 from app.config import LLMSettings
-from app.errors import ModelError, StreamError
+from app.errors import ConfigError, ModelError, StreamError
 from app.model import ContextTooLong, LLMClient
 from app.model.client import body_reader
 from app.model.errors import refuses_tools
@@ -44,7 +45,7 @@ async def answered(
     return got
 
 
-def llm(model_url: str, key: str, **settings: float) -> LLMClient:
+def llm(model_url: str, key: str, **settings: Any) -> LLMClient:
     return LLMClient(LLMSettings(base_url=model_url, api_key=key, model="m", **settings))
 
 
@@ -615,3 +616,30 @@ async def test_a_short_call_that_ended_without_a_lone_tag_lets_the_answers_strea
         )
     finally:
         await client.aclose()
+
+
+async def test_think_tags_paired_holds_nothing_back_and_open_left_out_splits_the_first_answer(
+    model_url, fake_model
+):
+    """`llm.think_tags`: an admin who knows the models says so, and nothing is learned
+    first — "paired" streams the first answer at once, "open_left_out" takes the text
+    before a lone `</think>` for reasoning from the first answer on."""
+    client = llm(model_url, fake_model.api_key, think_tags="paired")
+    try:
+        assert await first_text_comes_while_streaming(
+            client, fake_model, "#tokens=6 #delay=0.05 #reasoning=0"
+        )
+    finally:
+        await client.aclose()
+    client = llm(model_url, fake_model.api_key, think_tags="open_left_out")
+    try:
+        got = [
+            (d.kind, d.text)
+            async for d in client.stream([{"role": "user", "content": "#lonethink"}])
+            if d.kind in ("content", "reasoning")
+        ]
+    finally:
+        await client.aclose()
+    assert got and got[0][0] == "reasoning"
+    with pytest.raises(ConfigError):
+        llm(model_url, fake_model.api_key, think_tags="sometimes")

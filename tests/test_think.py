@@ -106,3 +106,16 @@ def test_what_is_held_is_released_as_answer_when_the_stream_stops_early():
         ("content", "answer"),
     ]
     assert splitter.feed(" more") == [Delta("content", " more")]  # nothing held from then on
+
+
+def test_an_answer_held_beside_one_that_showed_the_model_plain_goes_out_at_its_next_chunk():
+    known: set[str] = set()
+    splitter = ThinkSplitter(hold=True, shown=lambda: "m" in known)
+    assert splitter.feed("Started ") == [] and splitter.feed("together") == []
+    known.add("m")  # another answer of the model ended without a lone </think>
+    assert [(d.kind, d.text) for d in splitter.feed(", went on")] == [
+        ("content", "Started "),
+        ("content", "together"),
+        ("content", ", went on"),
+    ]
+    assert splitter.feed(" and on") == [Delta("content", " and on")]

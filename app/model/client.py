@@ -43,6 +43,7 @@ from .errors import (
 )
 from .quirks import (
     SYSTEM_PROMPT_PLACES,
+    THINK_TAGS,
     instructions_estimate,
     instructions_uncounted,
     listed_traits,
@@ -90,6 +91,11 @@ class LLMClient:
             raise ConfigError(
                 f"llm.system_prompt must be one of {', '.join(SYSTEM_PROMPT_PLACES)},"
                 f" not {settings.system_prompt!r}"
+            )
+        if settings.think_tags not in THINK_TAGS:
+            raise ConfigError(
+                f"llm.think_tags must be one of {', '.join(THINK_TAGS)},"
+                f" not {settings.think_tags!r}"
             )
         #: the parameters each model's server was seen to refuse: never sent to it again
         self.refused: dict[str, set[str]] = {}
@@ -279,10 +285,14 @@ class LLMClient:
         leave the opening `<think>` out; its text held back until its format shows
         (`ThinkSplitter`) when nothing is known of it — no answer of it ended here yet,
         and its model list did not say it never reasons."""
-        if name in self.open_left_out or OPEN_LEFT_OUT.search(name):
+        tags = self.settings.think_tags
+        if tags == "open_left_out" or name in self.open_left_out or OPEN_LEFT_OUT.search(name):
             return ThinkSplitter(assume_open=True)
         known = name in self.formats_known or self.listed_reasoning.get(name) is False
-        return ThinkSplitter(hold=not known)
+        if known or tags == "paired":
+            return ThinkSplitter()
+        formats_known = self.formats_known
+        return ThinkSplitter(hold=True, shown=lambda: name in formats_known)
 
     def _learn(self, name: str, *, lone_close: bool, reasoned: bool, whole: bool = False) -> None:
         """Remember what a model's answer showed of it: that it leaves the opening

@@ -285,6 +285,7 @@ def provider_llm(llm: LLMSettings, p: ProviderSettings) -> LLMSettings:
         context_tokens=p.context_tokens or llm.context_tokens,
         max_output_tokens=p.max_output_tokens or llm.max_output_tokens,
         system_prompt=p.system_prompt or llm.system_prompt,
+        think_tags=p.think_tags or llm.think_tags,
     )
 
 

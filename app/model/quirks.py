@@ -15,6 +15,8 @@ from .tokens import tokens_in
 
 #: where the instructions may go (`llm.system_prompt`)
 SYSTEM_PROMPT_PLACES = ("system", "user")
+#: how `<think>` tags in an answer's text read (`llm.think_tags`)
+THINK_TAGS = ("auto", "paired", "open_left_out")
 
 #: parameters a server may refuse, and what is sent instead (None: nothing) — OpenAI's
 #: newer models refuse `max_tokens` and take `max_completion_tokens`

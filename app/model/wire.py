@@ -198,7 +198,9 @@ class ThinkSplitter:
     answer), reasoning sent apart (`reasoning_apart`), or the answer's end (no tag: it
     was all answer). The held deltas then go out as they came, in one go. That costs
     the first token of a model's first answer in a process (the caller remembers what
-    it showed: later answers are not held), and nothing per token beyond one flag:
+    it showed: later answers are not held, and those running beside it are let go
+    at their next chunk once one has shown it plain: `shown`), and nothing per token
+    beyond one flag:
     nothing is looked at per token but the `<` it may hold. `release` hands out what
     is held when the answer stops early (cancelled, broken): as answer, as far as was
     known. `lone_close` says a lone `</think>` was met, so that the caller remembers
@@ -210,7 +212,13 @@ class ThinkSplitter:
 
     OPEN, CLOSE = "<think>", "</think>"
 
-    def __init__(self, *, assume_open: bool = False, hold: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        assume_open: bool = False,
+        hold: bool = False,
+        shown: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.inside = assume_open
         self.assumed = assume_open
         self.tagged = False  # a tag was seen
@@ -222,6 +230,9 @@ class ThinkSplitter:
         self._pending = ""
         self._assumed_text: list[str] = []
         self._held: list[Delta] = []
+        #: whether another answer of the model has shown it plain since: what is held
+        #: goes out at the next chunk (answers that started together are not all held)
+        self._shown = shown
 
     def reasoning_apart(self) -> list[Delta]:
         """The model sends its reasoning apart (`reasoning_content`): its content is no
@@ -233,6 +244,8 @@ class ThinkSplitter:
         return self.release()
 
     def feed(self, text: str) -> list[Delta]:
+        if self.holding and self._shown():
+            return self.release() + self.feed(text)
         if not self._pending and "<" not in text:  # the common case: nothing to look at
             if self._unsure:
                 if self.holding:
