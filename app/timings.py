@@ -1,7 +1,7 @@
 """Where an answer's time went: one span per stage (classify, each search, each read,
 each research round, the model's first byte, the first token out), in milliseconds
 since the request was accepted. The answer's `messageEnd` carries them as `timings`
-and its generation log line as `timings`.
+and its generation log line as `timings`, without the searches' queries.
 
 A leaf: it imports nothing of this package, so the chat service and the research
 tools both record into one `Timings` without importing each other.
@@ -17,6 +17,8 @@ from typing import Any
 
 #: the most spans one answer keeps (a deep research of many rounds stays small)
 MAX_SPANS = 200
+#: what a span says that may be the user's words (a search's query): kept out of logs
+PRIVATE = frozenset({"query"})
 
 
 class Timings:
@@ -77,3 +79,8 @@ class Timings:
             | {k: v for k, v in span.items() if k not in first}
             for span in self._spans
         ]
+
+    def to_log(self) -> list[dict[str, Any]]:
+        """`to_json` without what may be the user's words (a search's query), for the
+        generation's log line: no question reaches a log."""
+        return [{k: v for k, v in span.items() if k not in PRIVATE} for span in self.to_json()]

@@ -686,7 +686,7 @@ class Generation:
                     "answerChars": sum(map(len, self.content)),
                     "reasoningChunks": len(self.reasoning),
                     "events": self.out.seq,
-                    "timings": self.timings.to_json(),
+                    "timings": self.timings.to_log(),
                 }
             },
         )
