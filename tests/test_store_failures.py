@@ -503,6 +503,12 @@ class Written:
         return self.seq, Checkpoint(self.answer_id, self.content, self.reasoning, [])
 
 
+def idle_keeper(store) -> AnswerKeeper:
+    """A keeper whose own checkpoints and sweeps do not come in a test's time: the test
+    calls `checkpoint()` itself."""
+    return AnswerKeeper(store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60)
+
+
 async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_url):
     """A checkpoint sends each running answer only what was added since the last one,
     and the row holds the whole answer after each (a NUL, which the store drops, and
@@ -511,9 +517,7 @@ async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_u
     store = open_store(store_url)
     async with store:
         await add_answers(store, ["grows"], time.time())
-        keeper = AnswerKeeper(
-            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
-        )
+        keeper = idle_keeper(store)
         sent: list[Checkpoint] = []
         checkpoint_answers = store.checkpoint_answers
 
@@ -555,9 +559,7 @@ async def test_a_checkpoint_whose_outcome_was_lost_is_followed_by_the_whole_answ
     store = open_store(store_url)
     async with store:
         await add_answers(store, ["lost"], time.time())
-        keeper = AnswerKeeper(
-            store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60
-        )
+        keeper = idle_keeper(store)
         sent: list[Checkpoint] = []
         checkpoint_answers = store.checkpoint_answers
         lose = [False]
