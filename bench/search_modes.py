@@ -22,7 +22,11 @@ angles and reads two more pages. A server without the agent runs its own fixed
 pipeline on the same question. Figures are medians of `--questions`; `first token
 ms` is from the request to the first answer token the client reads, `answer asked
 ms` the server's own count (`messageEnd.timings`) of when it asked the model for the
-answer.
+answer. `server in ms` is the server's own time before it asks the model (the request
+to the model's request, in the mode without sources, where nothing comes between),
+`server out ms` from the model's first token to the client's: both from the
+fakes' and the client's monotonic clocks, in this process, so they include two
+loopback hops and the client's and the fakes' own parsing.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ async def one(
         body["message"] = {"content": f"and how do they burn it, question {i} #wait={wait}"}
         standalone = f"how do methane rockets burn it, question {i} #wait={wait}"
     model.replies[0] = (CLASSIFY, decision(standalone))
-    started = time.perf_counter()
+    streams = len(model.streams)
+    started = time.monotonic()
     first = end = classified = asked_at = 0.0
     async with client.stream("POST", "/api/chat/sse", json=body) as response:
         async for item in iter_sse(response):
@@ -111,11 +116,11 @@ async def one(
                 continue
             step = item.data.get("step") if item.type == "progress" else None
             if isinstance(step, dict) and step.get("kind") == "classify" and not classified:
-                classified = time.perf_counter() - started
+                classified = time.monotonic() - started
             if item.type in ("message", "reasoning") and item.data.get("data") and not first:
-                first = time.perf_counter() - started
+                first = time.monotonic() - started
             if item.type in ("messageEnd", "error"):
-                end = time.perf_counter() - started
+                end = time.monotonic() - started
                 spans = item.data.get("timings") or []
                 asked_at = next(
                     (t["startMs"] for t in spans if t["stage"] == "modelFirstByte"), 0.0
@@ -125,7 +130,14 @@ async def one(
         for r in model.requests[asked:]
         if "input" not in r and "Write a title" not in str(r["messages"][0]["content"])
     ]
+    # the answer's stream is the last the model was asked for (a title comes after the end)
+    answer = model.streams[-1] if len(model.streams) > streams else None
     return {
+        # the server's own time: from the request to the answer's request to the model
+        # (a mode without sources asks nothing before it), and from the model's first
+        # token to the client's (monotonic clocks of one machine, fakes in this process)
+        "in": (answer.asked_at - started) * 1000 if answer and mode == "chat" else 0.0,
+        "out": (started + first - answer.first_at) * 1000 if answer and first else 0.0,
         "calls": len(calls),
         "searches": len(search.queries) - searched,
         "reads": len(search.pages_read) - read,
@@ -243,9 +255,9 @@ def main() -> None:
     )
     print(
         "| server | mode | model calls | searches | reads | classified ms "
-        "| answer asked ms | first token ms | end ms |"
+        "| answer asked ms | first token ms | end ms | server in ms | server out ms |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in MODES:
         for target in targets:
             runs = found[(target.name, mode)]
@@ -255,7 +267,7 @@ def main() -> None:
             print(
                 f"| {target.name} | {mode} | {m['calls']:.0f} | {m['searches']:.0f} | "
                 f"{m['reads']:.0f} | {classified} | {asked} | {m['first']:.0f} | "
-                f"{m['end']:.0f} |"
+                f"{m['end']:.0f} | {m['in']:.1f} | {m['out']:.1f} |".replace("| 0.0 |", "| — |")
             )
 
 

@@ -91,6 +91,9 @@ class StreamRecord:
     outcome: str = "open"
     tokens_sent: int = 0
     closed_at: float = 0.0
+    #: `time.monotonic()` when the request came in, and when its first token went out
+    asked_at: float = 0.0
+    first_at: float = 0.0
 
 
 @dataclass
@@ -200,6 +203,7 @@ class FakeModel:
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
+        asked_at = time.monotonic()
         if not self._authorised(request):
             return self._refused(request)
         body = orjson.loads(await request.body())
@@ -263,7 +267,7 @@ class FakeModel:
             return _error(int(script["flaky"]), "fake flaky failure", {"Retry-After": "0.2"})
         if "empty" in script:
             return Response(b"", media_type="text/event-stream")
-        record = StreamRecord()
+        record = StreamRecord(asked_at=asked_at)
         self.streams.append(record)
         usage = None
         if (body.get("stream_options") or {}).get("include_usage") and "nousage" not in script:
@@ -385,6 +389,7 @@ class FakeModel:
                 yield b": keep-alive\n\n"
                 await asyncio.sleep(0.01)
             for i in range(reasoning):
+                record.first_at = record.first_at or time.monotonic()
                 yield _chunk({"reasoning_content": f"why{i} "})
                 if delay:
                     await asyncio.sleep(delay)
@@ -413,6 +418,7 @@ class FakeModel:
                     raise ConnectionAbortedError("scripted break")
                 if malformed_at is not None and i == malformed_at:
                     yield b'data: {"choices": [{"delta": {"content": \n\n'
+                record.first_at = record.first_at or time.monotonic()
                 yield _chunk({"content": piece})
                 record.tokens_sent += 1
                 if "hang" in script:
