@@ -127,6 +127,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     levels = [int(n) for n in args.streams.split(",")]
+    try:  # the load generator on uvloop, as the server: its core is shared with the model
+        from uvloop import run as run_loop
+    except ImportError:
+        run_loop = asyncio.run
     rows = []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -152,7 +156,7 @@ def main() -> None:
                     server0, load0 = sum(cpu_split(pid)), time.process_time()
                     load_average = os.getloadavg()[0]
                     cores0 = core_times()
-                    row = asyncio.run(carry(url, streams, args.starts_per_second, args.steady))
+                    row = run_loop(carry(url, streams, args.starts_per_second, args.steady))
                     # the server has core 0; the load generator, the fake model and Redis
                     # core 1: a core 1 near 100 % says the load generator limits the figures
                     row["cores_busy"] = core_busy(cores0, core_times())

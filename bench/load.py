@@ -2,8 +2,10 @@
 
 SSE clients speak HTTP/1.1 over raw asyncio streams (chunked decoding and
 event splitting by hand, JSON only where a figure needs it), WebSocket clients
-use the `websockets` library; both are far cheaper per event than a general
-HTTP client, so the load generator's core is not the bottleneck it measures.
+the protocol's frames by hand (a handshake without extensions, unmasked server
+frames read with two `readexactly`s); both are far cheaper per event than a
+general client library, so the load generator's core is not the bottleneck it
+measures.
 
     python -m bench.load --url http://127.0.0.1:8080 --streams 200 --tokens 200 --rate 20 --seconds 10
 
@@ -18,14 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import contextlib
 import itertools
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import orjson
-from websockets.asyncio.client import connect as ws_connect
 
 _ids = itertools.count(1)
 
@@ -155,25 +159,92 @@ async def ws_stream(
     url: str, body: dict, *, stamps: bool = False, parse: bool = True
 ) -> StreamResult:
     result = StreamResult()
-    async with ws_connect(
-        url.replace("http", "ws", 1) + "/api/chat/ws", max_size=2**24, compression=None
-    ) as ws:
-        await ws.recv()  # signal: open
-        started = time.perf_counter()
-        await ws.send(orjson.dumps(body).decode())
-        async for frame in ws:
-            if not result.first_event_s:
-                result.first_event_s = time.perf_counter() - started
-            result.events += 1
-            if not parse and '"messageEnd"' not in frame and '"error"' not in frame:
-                continue
-            event = orjson.loads(frame)
-            if "eventId" in event:
-                result.seqs.append(int(event["eventId"].rsplit(":", 1)[1]))
-            _account(result, event, time.time_ns(), stamps)
-            if event["type"] in ("messageEnd", "error"):
-                return result
-    return result
+    reader, writer = await _ws_connect(url + "/api/chat/ws")
+    try:
+        async with contextlib.aclosing(_ws_frames(reader, writer)) as frames:
+            await anext(frames)  # signal: open
+            started = time.perf_counter()
+            writer.write(_ws_frame(orjson.dumps(body)))
+            async for frame in frames:
+                if not result.first_event_s:
+                    result.first_event_s = time.perf_counter() - started
+                result.events += 1
+                if not parse and b'"messageEnd"' not in frame and b'"error"' not in frame:
+                    continue
+                event = orjson.loads(frame)
+                if "eventId" in event:
+                    result.seqs.append(int(event["eventId"].rsplit(":", 1)[1]))
+                _account(result, event, time.time_ns(), stamps)
+                if event["type"] in ("messageEnd", "error"):
+                    return result
+        return result
+    finally:
+        writer.close()
+
+
+async def _ws_connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket client's handshake by hand (no extension asked for): a general
+    client library parses every frame in Python and costs the load generator's core
+    several times what the server's frames are measured at."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port, limit=2**24)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        (
+            f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 101"):
+        writer.close()
+        status = head.partition(b"\r\n")[0]
+        raise RuntimeError(f"server answered {status!r}")
+    return reader, writer
+
+
+def _ws_frame(payload: bytes, opcode: int = 0x1) -> bytes:
+    """One final, masked client frame (the mask is zero: XOR with it changes nothing)."""
+    size = len(payload)
+    if size < 126:
+        head = bytes([0x80 | opcode, 0x80 | size])
+    elif size < 65536:
+        head = bytes([0x80 | opcode, 0x80 | 126]) + size.to_bytes(2, "big")
+    else:
+        head = bytes([0x80 | opcode, 0x80 | 127]) + size.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+async def _ws_frames(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> AsyncIterator[bytes]:
+    """The server's text and binary messages (unmasked, as servers send them); a ping
+    is answered, a close ends them."""
+    message = b""
+    while True:
+        try:
+            first, second = await reader.readexactly(2)
+        except asyncio.IncompleteReadError:
+            return
+        size = second & 0x7F
+        if size == 126:
+            size = int.from_bytes(await reader.readexactly(2), "big")
+        elif size == 127:
+            size = int.from_bytes(await reader.readexactly(8), "big")
+        payload = await reader.readexactly(size) if size else b""
+        opcode = first & 0x0F
+        if opcode == 0x8:
+            return
+        if opcode == 0x9:
+            writer.write(_ws_frame(payload, 0xA))
+            continue
+        if opcode == 0xA:
+            continue
+        message += payload
+        if first & 0x80:
+            yield message
+            message = b""
 
 
 async def mixed_load(
