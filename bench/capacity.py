@@ -27,16 +27,35 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 
 from bench.load import StreamResult, percentile, request, sse_stream, ws_stream
 from bench.paced import cpu_split
-from bench.run import LOAD_CORE, RESULTS, app_server, fast_model, redis_server
+from bench.run import (
+    LOAD_CORE,
+    RESULTS,
+    SERVER_CORE,
+    app_server,
+    fast_model,
+    process,
+    redis_server,
+)
 from tests.conftest import new_database, start_postgres
+from tests.servers import free_port
 
 RATE = 20.0  # tokens a second per stream
+
+
+@contextlib.contextmanager
+def bare_relay(model: str) -> Iterator[tuple[str, int]]:
+    """`bench.relay --bare` on the server's core: the same wire, the least work."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.relay", "--bare", "--port", str(port)]
+    with process([*cmd, "--model-url", model + "/v1"], port, core=SERVER_CORE) as proc:
+        yield f"http://127.0.0.1:{port}", proc.pid
 
 
 def core_times() -> list[tuple[int, int]]:
@@ -60,14 +79,16 @@ def core_busy(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> st
     )
 
 
-async def carry(url: str, streams: int, starts_per_second: float, steady: float) -> dict:
+async def carry(
+    url: str, streams: int, starts_per_second: float, steady: float, sse_only: bool = False
+) -> dict:
     ramp = streams / starts_per_second
     tokens = int(RATE * (ramp * 1.5 + steady))
     content = f"#tokens={tokens} #rate={RATE:g} #stamp"
 
     async def one(i: int) -> StreamResult | None:
         await asyncio.sleep(ramp * i / streams)
-        reader = ws_stream if i % 2 else sse_stream
+        reader = ws_stream if i % 2 and not sse_only else sse_stream
         try:
             return await reader(url, request(content, userId=i + 1), stamps=True)
         except Exception as exc:  # refused (503, 429) or cut: counted, not fatal
@@ -117,6 +138,12 @@ def main() -> None:
         action="store_true",
         help="one worker with the Redis hub too (two workers always have it)",
     )
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="the bare relay (bench.relay --bare: no framework, nothing kept) in the "
+        "server's place, on its core, every stream SSE: the floor of one core",
+    )
     parser.add_argument("--starts-per-second", type=float, default=50.0)
     parser.add_argument("--steady", type=float, default=15.0)
     parser.add_argument(
@@ -141,7 +168,10 @@ def main() -> None:
             store = {"STORE_URL": new_database(postgres)} if postgres else {}
             # the per-process cap on running answers (500 by default) must not refuse them
             store["LIMITS_MAX_GENERATIONS_PER_PROCESS"] = str(2 * max(levels))
-            if workers == 1:
+            if args.bare:
+                os.sched_setaffinity(0, {int(LOAD_CORE)})
+                server = bare_relay(model)
+            elif workers == 1:
                 os.sched_setaffinity(0, {int(LOAD_CORE)})
                 hub = {"REDIS_URL": redis} if args.redis else {}
                 server = app_server(model, tmp, **store, **hub)
@@ -156,7 +186,9 @@ def main() -> None:
                     server0, load0 = sum(cpu_split(pid)), time.process_time()
                     load_average = os.getloadavg()[0]
                     cores0 = core_times()
-                    row = run_loop(carry(url, streams, args.starts_per_second, args.steady))
+                    row = run_loop(
+                        carry(url, streams, args.starts_per_second, args.steady, args.bare)
+                    )
                     # the server has core 0; the load generator, the fake model and Redis
                     # core 1: a core 1 near 100 % says the load generator limits the figures
                     row["cores_busy"] = core_busy(cores0, core_times())
@@ -168,7 +200,7 @@ def main() -> None:
                         server_s / max(row.pop("tokens"), 1) * 1e6, 1
                     )
                     row["load_average"] = round(load_average, 2)
-                    row["workers"] = workers
+                    row["workers"] = "bare" if args.bare else workers
                     row["redis"] = workers > 1 or args.redis
                     row["server_cpu"] = f"{server_s / elapsed:.0%}"
                     row["load_cpu"] = f"{(time.process_time() - load0) / elapsed:.0%}"

@@ -12,8 +12,9 @@ a third with no framework at all (`--bare`):
   framework: an `asyncio.Protocol` server on uvloop, one HTTP/1.1 connection
   upstream per stream (kept alive and reused), the response parsed by httptools,
   each `data:` line decoded with orjson and its text written on as one SSE event
-  (chunked) in the same callback that read it: no task, no queue, no wake-up
-  between the model's socket and the client's.
+  (chunked, numbered as the server numbers its events, and a last `messageEnd`) in
+  the same callback that read it: no task, no queue, no wake-up between the
+  model's socket and the client's.
 
     python -m bench.relay --port 9100 --model-url http://127.0.0.1:9001/v1
     POST /relay        {"content": "#tokens=500 #rate=20"}
@@ -141,6 +142,7 @@ class Upstream(asyncio.Protocol):
         self.client = client
         self.parser = httptools.HttpResponseParser(self)
         self.buffer = b""
+        self.seq = 0
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
@@ -160,12 +162,18 @@ class Upstream(asyncio.Protocol):
             choices = orjson.loads(payload).get("choices") or [{}]
             text = (choices[0].get("delta") or {}).get("content")
             if text and self.client is not None:
-                event = b"data: " + orjson.dumps({"type": "message", "data": text}) + b"\n\n"
+                self.seq += 1
+                event = b"id: bare:%d\ndata: %s\n\n" % (
+                    self.seq,
+                    orjson.dumps({"type": "message", "data": text}),
+                )
                 self.client.write(b"%x\r\n%s\r\n" % (len(event), event))
 
     def on_message_complete(self) -> None:
         if self.client is not None:
-            self.client.write(b"0\r\n\r\n")
+            self.seq += 1
+            event = b'id: bare:%d\ndata: {"type":"messageEnd","status":"completed"}\n\n' % self.seq
+            self.client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
             self.client = None
         self.relay.idle.append(self)
 
@@ -200,9 +208,9 @@ class Downstream(asyncio.Protocol):
             return
         body, self.buffer = self.buffer[end + 4 : end + 4 + length], self.buffer[end + 4 + length :]
         self.transport.write(BARE_HEAD)
-        task = asyncio.ensure_future(
-            self.relay.start(self.transport, orjson.loads(body)["content"])
-        )
+        asked = orjson.loads(body)  # {"content": …}, or a chat request's {"message": {…}}
+        content = asked["content"] if "content" in asked else asked["message"]["content"]
+        task = asyncio.ensure_future(self.relay.start(self.transport, content))
         task.add_done_callback(
             lambda t: t.exception() and self.transport and self.transport.close()
         )
