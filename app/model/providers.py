@@ -303,7 +303,7 @@ async def _listing(provider: Provider) -> list[tuple[str, str]]:
     try:
         page = await lister.models.list()
         if isinstance(client, LLMClient):  # what the list says of each: tools, reasoning
-            client.learn_listed([m.to_dict() for m in page.data])
+            client.learned.learn_listed([m.to_dict() for m in page.data])
         return [(m.id, m.id) for m in page.data]
     except openai.APIStatusError as exc:
         if exc.status_code in (401, 403):
