@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse
-from .sql import Database, mapped, not_yours, taken
+from .sql import Connection, Database, mapped, not_yours, taken
 
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 MESSAGE_COLUMNS = (
@@ -155,6 +155,20 @@ def chat_from_row(row: Any) -> Chat:
     )
 
 
+async def insert_chat(tx: Connection, chat: Chat) -> bool:
+    """Insert `chat`'s row, unless a chat of its id is there; whether it was inserted."""
+    inserted = await tx.execute(
+        "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+        chat.id,
+        chat.user_id,
+        chat.title,
+        chat.focus_mode,
+        chat.created_at,
+    )
+    return inserted == 1
+
+
 def message_from_row(
     row: Any,
     sources: list[dict[str, Any]],
@@ -243,18 +257,7 @@ class ChatTables:
         files: Sequence[str] = (),
     ) -> bool:
         async with self.db.transaction() as tx:
-            created = (
-                await tx.execute(
-                    "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
-                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                    chat.id,
-                    chat.user_id,
-                    chat.title,
-                    chat.focus_mode,
-                    chat.created_at,
-                )
-                == 1
-            )
+            created = await insert_chat(tx, chat)
             if not created:
                 owner = await tx.fetchval("SELECT user_id FROM chats WHERE id = ?", chat.id)
                 if owner != chat.user_id:
