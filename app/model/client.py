@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, Unpack, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -28,8 +28,8 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
+from .base import SHORT_TIMEOUT, Short, Traits
 from .base import ChatModel as ChatModel
-from .base import Traits
 from .errors import (
     ContextTooLong,
     NoToolTurn,
@@ -56,7 +56,10 @@ from .wire import (
     AnswerDecoder,
     Delta,
     Message,
+    Sink,
+    Tool,
     ToolCall,
+    ToolMessage,
     ToolTurn,
     Verbatim,
     split_think,
@@ -165,11 +168,7 @@ class LLMClient:
             yield delta
 
     async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], sink: Sink, *, model: str | None = None
     ) -> None:
         """The answer's deltas handed to `sink` as they arrive; returns at its end.
 
@@ -295,14 +294,7 @@ class LLMClient:
             refused.add(parameter)
         return await post(without_refused(body, refused))
 
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str:
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str:
         """A short answer (classify, rewrite, title, ranking, suggestions, planning), read
         whole: its text, without its reasoning — `<think>…</think>`, or everything up
         to a lone `</think>` (a template that leaves the opening tag out, as `stream`
@@ -313,9 +305,9 @@ class LLMClient:
         request at once, and a server that stops when its client goes (llama.cpp's)
         stops working on it — an abandoned call never runs on beside the answer."""
         client = self._require()
-        name = model or self.settings.effective_small_model
+        name = call.get("model") or self.settings.effective_small_model
         body: dict[str, Any] = {"model": name, "messages": list(messages), "stream": True}
-        if max_tokens:
+        if max_tokens := call.get("max_tokens"):
             extra = REASONING_TOKENS if self.learned.reasons(name) else 0
             body["max_tokens"] = max_tokens + extra
         parts: list[str] = []
@@ -333,7 +325,7 @@ class LLMClient:
 
         decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(call.get("timeout", SHORT_TIMEOUT)):
                 await self._read(client, body, decoder)
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
@@ -344,11 +336,7 @@ class LLMClient:
         return content.strip()
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         """One tool turn (`_tool_turn`); a turn with calls shows that the model takes
         tools, `ToolsUnsupported` that it does not (`traits`)."""

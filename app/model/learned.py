@@ -10,7 +10,7 @@ Nothing here does I/O; what is learned lasts as long as the process.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -19,7 +19,7 @@ from ..config import LLMSettings
 from .base import Traits
 from .quirks import instructions_estimate, instructions_uncounted, listed_traits
 from .tokens import OPEN_LEFT_OUT, REASONING
-from .wire import AnswerDecoder, Delta, Message, ThinkSplitter
+from .wire import AnswerDecoder, Delta, Message, Sink, ThinkSplitter
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
 
@@ -124,9 +124,7 @@ class Learned:
         if (reasoned or lone_close) and name not in self.reasoners:
             self.reasoners.add(name)
 
-    def watch_count(
-        self, name: str, messages: Sequence[Message], sink: Callable[[Delta], None]
-    ) -> Callable[[Delta], None]:
+    def watch_count(self, name: str, messages: Sequence[Message], sink: Sink) -> Sink:
         """`sink`, behind a look at the answer's `usage` on a model's first answer that
         has instructions (`check_count`); after it, `sink` as it is."""
         if name in self.counted or self.settings.system_prompt != "system":
