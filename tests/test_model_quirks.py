@@ -186,7 +186,7 @@ async def test_a_500_for_response_format_is_retried_without_it(model_url, fake_m
         await llm.aclose()
     assert response["choices"][0]["message"]["content"] == "fake reply"
     assert ["response_format" in r for r in fake_model.requests] == [True, False]
-    assert llm.refused == {"m": {"response_format"}}
+    assert llm.learned.refused == {"m": {"response_format"}}
 
 
 # -- tool rounds a server cannot stream --------------------------------------------------------
@@ -276,7 +276,7 @@ async def test_a_model_listed_as_leaving_the_tag_out_is_split_from_its_first_ans
         await llm.aclose()
     assert "".join(t for kind, t in got if kind == "reasoning") == "Let me think."
     assert "".join(t for kind, t in got if kind == "content") == "The answer."
-    assert llm.open_left_out == {"local-model"}
+    assert llm.learned.open_left_out == {"local-model"}
 
 
 async def test_the_first_answer_of_a_fresh_server_shows_no_reasoning_as_answer(

@@ -13,46 +13,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
-from ..collections.service import CollectionSearch, with_collections
+from ..collections.service import CollectionSearch
 from ..config import DEFAULT_PROVIDER
-from ..errors import AppError, StreamError, Unavailable
+from ..errors import AppError, StreamError
 from ..events import Handle
 from ..model import ContextTooLong, Delta, Message, tokens_in
-from ..protocol import ChatRequest, mcp_servers_named
-from ..results import SearchResult
-from ..search.web import (
-    context_chars,
-    context_of,
-    source_entries,
-)
+from ..protocol import ChatRequest
 from ..store import Checkpoint, FileRecord, Saved, Usage
 from ..streams import LogWriter
 from ..timings import Timings
-from .agent import Planned, budget_of, context_tokens
-from .classify import SOURCE_KINDS, Decision, classify, heuristic
+from .classify import Decision
 from .fitting import (
     MESSAGE_TOKENS,
     estimate_tokens,
-    fit_event,
     fit_history,
-    fit_sources,
     text_chars,
     too_long,
-    unique,
 )
+from .grounding import Grounding
 from .history import make_title, rewrite, stored_history, suggest
 from .keeper import Progress, steps_of
-from .modes import MODES, PLAIN_PROMPT, WebSources
+from .modes import MODES, WebSources
 from .services import Services
+from .triage import REWRITE_MIN_CHARS, Triage
 
 log = logging.getLogger("app.chat")
 generation_log = logging.getLogger("app.generation")
 
-REWRITE_MIN_CHARS = 30
 IMAGES = 6  # images found for an answer that asks for them
 RELATED_CHARS = 300  # of each related question
 
@@ -84,14 +73,10 @@ class Generation:
         self.reasoning: list[str] = []
         self.rewritten: str | None = None
         self.decision: Decision | None = None
-        self.unsaved_sources: list[dict[str, object]] | None = None
         self.counted: dict[str, Any] | None = None  # the model's `usage`
         #: the model stopped at `llm.max_output_tokens`: the answer is whole but cut
         self.truncated = False
         self.extras: dict[str, Any] = {}  # what `messageEnd` adds: images, related questions
-        #: what the system prompt was made of, to make it again shorter: its prompt's
-        #: name, date and sources, and how much of each source
-        self._grounding: tuple[str, str, list[SearchResult], int] | None = None
         self.prompt_chars = 0
         self.accepted_at = time.monotonic()
         self.first_token_at = 0.0
@@ -99,13 +84,13 @@ class Generation:
         #: the spans of its stages, sent in `messageEnd` and logged
         self.timings = Timings(self.accepted_at)
         self._model_span: dict[str, Any] = {}
-        #: the question's web search, started while the classifier decides (speed's
-        #: first question): taken by the research, or cancelled
-        self._ahead: dict[str, asyncio.Future[list[SearchResult]]] = {}
-        self._ahead_span: dict[str, Any] = {}
-        #: the research's first round, started while the classifier decides (the first
-        #: question of a mode with rounds): taken by the research, or cancelled
-        self._planned: Planned | None = None
+        #: the classifier's decision, and what the research would start with, started
+        #: while it decides
+        self._triage = Triage(services, request, out, self.timings, self.files, collections)
+        #: the system prompt, with the sources found for the question
+        self._prompt = Grounding(
+            services, request, handle, out, self.timings, self.files, collections, self._triage
+        )
         #: the rewrite of a question that nothing searches for, made beside the answer
         self._rewriting: asyncio.Future[None] | None = None
         self._most = text_chars(services.settings.stream.max_event_bytes)
@@ -172,7 +157,7 @@ class Generation:
         try:
             await self._generate_answer()
         finally:
-            self._drop_ahead()
+            self._triage.drop()
             if self._rewriting is not None:
                 self._rewriting.cancel()
 
@@ -188,7 +173,9 @@ class Generation:
             )
         mode = MODES[req.focus_mode]
         if isinstance(mode.sources, WebSources) and mode.sources.applies(req):
-            self.decision = await self._classify(mode.sources, history)
+            self.decision = await self._triage.decide(mode.sources, history)
+            if self.decision.rewritten:
+                self.rewritten = self.decision.question
         elif len(req.content) > REWRITE_MIN_CHARS or history:
             if self.files or self.collections is not None or req.images:
                 await self._rewrite(history)  # what they search for
@@ -249,8 +236,8 @@ class Generation:
         (else half the room): fewer sources, less of the conversation. When even that
         cannot be, or is refused again, the answer ends with an error that names the
         window."""
-        system = await self._system_prompt(question)
-        room = self._room()
+        system = await self._prompt.system_prompt(question, self.decision)
+        room = self._prompt.room()
         self.out.emit("message", data="")
         for attempt in range(2):
             messages = self._messages(system, history, room)
@@ -262,34 +249,13 @@ class Generation:
                 if self.first_token_at:
                     raise
                 sent = sum(tokens_in(m["content"]) + MESSAGE_TOKENS for m in messages)
-                shorter = None if attempt else self._shorter(system, history, sent, exc.window)
+                shorter = (
+                    None if attempt else self._prompt.shorter(system, history, sent, exc.window)
+                )
                 if shorter is None:
                     raise too_long(exc, sent) from exc
                 log.info("the model refused the prompt as too long: once more, shorter")
                 system, room = shorter
-
-    def _shorter(
-        self, system: str, history: list[tuple[str, str]], sent: int, window: int | None
-    ) -> tuple[str, int] | None:
-        """The system prompt and room of a retry after a prompt of `sent` tokens was
-        refused: within `window` (less room for the answer) when the model named it,
-        else half of what was sent; None when the question alone would not fit, or
-        there is nothing to leave out."""
-        room = sent // 2
-        if window:
-            room = min(room, window - min(self._answer_tokens(), window // 4))
-        question = tokens_in(self.request.content) + 2 * MESSAGE_TOKENS
-        if question + tokens_in(self._instructions()) >= room:
-            return None
-        shorter = self._shorter_system_prompt(room)
-        if shorter is None and not history:
-            return None  # nothing would be shorter
-        return shorter or system, room
-
-    def _answer_tokens(self) -> int:
-        """The room an answer is given in the model's window."""
-        most = self.services.settings.llm.max_output_tokens
-        return min(most, 8192) if most > 0 else 8192
 
     def _messages(self, system: str, history: list[tuple[str, str]], room: int) -> list[Message]:
         req = self.request
@@ -343,244 +309,6 @@ class Generation:
         for i in range(0, len(text), most):
             self.out.emit(type, data=text[i : i + most])
 
-    async def _classify(self, sources: WebSources, history: list[tuple[str, str]]) -> Decision:
-        """Whether and where to search (PROTOCOL §3 `classify` step). A mode kept to
-        some sources (academicSearch, …) searches only there; `speed` asks the model
-        only when a rewrite would have been asked for (a long question, or a chat with
-        history), so its first token comes no later than before."""
-        svc, req = self.services, self.request
-        allowed: tuple[str, ...] = ("web",) if sources.scope is not None else SOURCE_KINDS
-        kinds = tuple(k for k in req.sources if k in SOURCE_KINDS)  # not `mcp:<name>`
-        if kinds:
-            # a mode that fixes its sources wins over the request's list (PROTOCOL §1)
-            allowed = tuple(k for k in allowed if k in kinds) or allowed[:1]
-        if not self.files:
-            # no files to search: never another kind instead, which the request did not allow
-            allowed = tuple(k for k in allowed if k != "files")
-        worth_asking = req.optimization_mode != "speed" or (
-            len(req.content) > REWRITE_MIN_CHARS or bool(history)
-        )
-        if not allowed:
-            decision = Decision(req.content, skip_search=True, sources=())
-            self.out.emit(
-                "progress",
-                data="no search: the request allows only files, and it has none",
-                step={"id": "classify-0", "kind": "classify", "status": "done", **decision.step()},
-            )
-            return decision
-        if worth_asking:
-            if not history:  # a follow-up needs its standalone question first
-                self._start_ahead(sources, allowed)
-            with self.timings.span("classify"):
-                decision = await classify(
-                    svc.llm,
-                    svc.prompts,
-                    req.content,
-                    history,
-                    allowed,
-                    timeout=svc.settings.research.classify_seconds,
-                )
-            if decision.skip_search or decision.question != req.content:
-                self._drop_ahead()  # not needed, or made for another question
-            elif "web" not in decision.sources and self._ahead:
-                self._drop_ahead()  # a web search, where other kinds of sources are asked
-        else:
-            decision = heuristic(req.content, allowed)
-        if decision.rewritten:
-            self.rewritten = decision.question
-            self.out.emit("rewrited", content=decision.question)
-        if decision.asked or decision.skip_search:
-            text = (
-                "no search needed"
-                if decision.skip_search
-                else "searching " + ", ".join(decision.sources)
-            )
-            self.out.emit(
-                "progress",
-                data=text,
-                step={"id": "classify-0", "kind": "classify", "status": "done", **decision.step()},
-            )
-        return decision
-
-    def _start_ahead(self, sources: WebSources, allowed: tuple[str, ...]) -> None:
-        """Start, to run while the classifier decides, what the research would start
-        with for the question as asked: its web search (a budget of one round: speed),
-        else its first round's model call. Neither writes an event: the research shows
-        it as its own when it takes it, and one not taken is cancelled, never awaited."""
-        svc, req = self.services, self.request
-        researcher = svc.researcher
-        mode = sources.budget or req.optimization_mode
-        guess = heuristic(req.content, allowed)
-        if guess.skip_search:
-            return  # a greeting: the classifier does not even ask the model
-        kinds = guess.sources
-        if budget_of(researcher.settings, mode).rounds > 1:
-            self._planned = researcher.plan_ahead(
-                self.out,
-                req.content,
-                mode,
-                kinds=kinds,
-                scope=sources.scope,
-                files=self.files if "files" in kinds else (),
-                collections=self.collections,
-                timings=self.timings,
-                servers=mcp_servers_named(req.sources),
-            )
-            return
-        if "web" not in kinds:
-            return
-        web, query = researcher.web, req.content[:400]  # as the research's search cuts it
-
-        span = self.timings.start("search", query=query[:100], speculative=True)
-
-        async def search() -> list[SearchResult]:
-            try:
-                return await web.provider.search(
-                    query, web.limit(req.search), sources.scope, req.search
-                )
-            finally:
-                self.timings.end(span)
-
-        ahead = asyncio.ensure_future(search())
-        ahead.add_done_callback(_retrieved)
-        self._ahead[query] = ahead
-        self._ahead_span = span
-
-    def _drop_ahead(self) -> None:
-        """Cancel what was started ahead, unless the research took it."""
-        for search in self._ahead.values():
-            search.cancel()
-            self._ahead_span["dropped"] = True
-        self._ahead.clear()
-        if self._planned is not None:
-            self._planned.drop()
-            self._planned = None
-
-    def _room(self) -> int:
-        """The tokens (`tokens_in`) the answer's prompt may hold: the model's window
-        less room for the answer (a quarter of it, at most 8,192)."""
-        tokens = context_tokens(self.services.settings)
-        return max(0, tokens - min(self._answer_tokens(), tokens // 4))
-
-    async def _system_prompt(self, question: str) -> str:
-        """The mode's prompt with the sources it found (and the request's extra
-        instructions). Web results and passages of the chat's files are ranked
-        together; with web search off (copilot off, or a mode without it) the files
-        alone are the sources."""
-        return await self._grounded_prompt(question) + self._instructions()
-
-    def _instructions(self) -> str:
-        if not self.request.instructions:
-            return ""
-        return self.services.prompts.render("instructions", instructions=self.request.instructions)
-
-    def _shorter_system_prompt(self, room: int) -> str | None:
-        """The system prompt again with half its sources (half of the one source's
-        text, when it has one), and no more than fit in `room`; None when it has
-        none."""
-        if self._grounding is None:
-            return None
-        prompt, date, results, chars = self._grounding
-        if len(results) > 1:
-            results = results[: len(results) // 2]
-        else:
-            results = [replace(r, content=r.text[: len(r.text) // 2]) for r in results]
-        bare = self.services.prompts.render(prompt, date=date, context="")
-        results = fit_sources(results, self._left_for_sources(bare, room), chars)
-        self._grounding = (prompt, date, results, chars)
-        context = context_of(results, chars)
-        return self.services.prompts.render(prompt, date=date, context=context) + (
-            self._instructions()
-        )
-
-    def _left_for_sources(self, bare: str, room: int) -> int:
-        """What `room` leaves for the sources beside the prompt `bare` (without them),
-        the request's instructions and its question."""
-        return (
-            room
-            - tokens_in(bare)
-            - tokens_in(self._instructions())
-            - tokens_in(self.request.content)
-            - 2 * MESSAGE_TOKENS
-        )
-
-    async def _grounded_prompt(self, question: str) -> str:
-        svc, req = self.services, self.request
-        mode = MODES[req.focus_mode]
-        date = datetime.now(UTC).isoformat(timespec="seconds")
-        web = mode.sources is not None and mode.sources.applies(req)
-        if self.decision is not None and self.decision.skip_search:
-            web = False
-        if not web and not self.files and self.collections is None:
-            prompt = PLAIN_PROMPT if mode.sources is not None else mode.prompt
-            return svc.prompts.render(prompt, date=date)
-        pinned: list[SearchResult] = []  # pasted pages: first, whatever is ranked after them
-        results: list[SearchResult] = []
-        searched: frozenset[str] = frozenset()
-        if web and mode.sources is not None and self.decision is not None:
-            ahead, self._ahead = self._ahead, {}
-            planned, self._planned = self._planned, None
-            with self.timings.span("research"):
-                gathered = await svc.researcher.find_sources(
-                    self.out,
-                    question,
-                    mode.sources.budget or req.optimization_mode,
-                    kinds=self.decision.sources,
-                    scope=mode.sources.scope,
-                    urls=self.decision.urls,
-                    files=self.files if "files" in self.decision.sources else (),
-                    collections=self.collections,
-                    filters=req.search,
-                    timings=self.timings,
-                    prefetched=ahead,
-                    planned=planned,
-                    servers=mcp_servers_named(req.sources),
-                )
-            pinned = gathered.results[: gathered.pinned]
-            results = gathered.results[gathered.pinned :]
-            searched = gathered.searched
-        # the request's files and collections, searched for the question unless the
-        # research did so itself (its passages are among its results already)
-        if self.files and "files" not in searched:
-            results = await self._with_files(question, results)
-        if self.collections is not None and "collection" not in searched:
-            results = await with_collections(self.out, self.collections, question, results)
-        results = unique([*pinned, *results])
-        if not results:
-            self.out.emit("progress", data="answering without sources")
-            return svc.prompts.render(PLAIN_PROMPT, date=date)
-        prompt = mode.prompt if web else "files_response"
-        bare = svc.prompts.render(prompt, date=date, context="")
-        chars = context_chars(req.search)
-        results = fit_sources(results, self._left_for_sources(bare, self._room()), chars)
-        if not results:
-            self.out.emit("progress", data="answering without sources: no room for them")
-            return svc.prompts.render(PLAIN_PROMPT, date=date)
-        await self._send_sources(results)
-        self._grounding = (prompt, date, results, chars)
-        return svc.prompts.render(prompt, date=date, context=context_of(results, chars))
-
-    async def _with_files(self, question: str, web: list[SearchResult]) -> list[SearchResult]:
-        svc = self.services
-        names = ", ".join(f.name for f in self.files[:3]) + ("…" if len(self.files) > 3 else "")
-        self.out.emit("progress", data=f"searching your files: {names}")
-        k = svc.settings.uploads.passages
-        passages = await svc.files.passages(self.files, question, k)
-        return await svc.files.rank_together(question, web, passages, k + len(web))
-
-    async def _send_sources(self, results: list[SearchResult]) -> None:
-        """Save the sources on the question, then send them with the "All Sources" link.
-        A store that is away does not stop the answer: they are saved with it."""
-        svc, h = self.services, self.handle
-        entries = fit_event(source_entries(results), svc.settings.stream.max_event_bytes)
-        try:
-            await svc.store.set_sources(h.question_id, entries)
-        except Unavailable:
-            self.unsaved_sources = entries
-        link = svc.sources_link(h.question_id, self.request.host)
-        all_sources = {"metadata": {"title": "All Sources", "url": link}}
-        self.out.emit("sources", data=[*entries, all_sources])
-
     async def _finish(self, status: str, error: AppError | None) -> None:
         """Save the answer, then end the stream. A store that is away does not hold the
         client up: the client gets its usual end, and the keeper saves the answer as
@@ -594,7 +322,7 @@ class Generation:
             status=final,
             question_id=h.question_id,
             rewritten=self.rewritten,
-            sources=self.unsaved_sources,
+            sources=self._prompt.unsaved_sources,
             usage=usage,
             steps=steps_of(self.out.log.events),
             truncated=self.truncated and error is None,
@@ -690,13 +418,6 @@ class Generation:
                 }
             },
         )
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A search started ahead fails where it is awaited; one never awaited (cancelled
-    or dropped) fails quietly."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -8,6 +8,7 @@ the way httpx splits its transports:
 * `upstream.py` — the small HTTP/1.1 client that reads the answer's stream;
 * `client.py` — `LLMClient` and the `ChatModel` interface it shares with
   `demo.py`, the built-in demo model;
+* `learned.py` — what the client learned of each model, for the process;
 * `embeddings.py` — `Embedder`.
 
 Callers import from here (`from ..model import LLMClient`).

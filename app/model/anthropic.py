@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Unpack
 
 import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
-from .base import ChatModel, Traits
+from .base import SHORT_TIMEOUT, ChatModel, Short, Traits
 from .errors import (
     CAUSES,
     ContextTooLong,
@@ -33,7 +33,7 @@ from .errors import (
     context_exceeded,
     redact,
 )
-from .wire import Delta, Message, ToolCall, ToolTurn
+from .wire import Delta, Message, Sink, Tool, ToolCall, ToolMessage, ToolTurn
 
 if TYPE_CHECKING:  # the SDK takes a second to import: only a provider that uses it does
     import anthropic
@@ -101,31 +101,20 @@ class AnthropicModel(ChatModel):
         for delta in reader.end():
             yield delta
 
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str:
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str:
         """One answer whole (rewrite, title, suggestions): its text blocks."""
-        name = model or self.settings.effective_small_model
+        name = call.get("model") or self.settings.effective_small_model
         client = self._require()
         request = self._request(messages, name)
-        if max_tokens:
+        if max_tokens := call.get("max_tokens"):
             request["max_tokens"] = max_tokens
         with self._errors(name):
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(call.get("timeout", SHORT_TIMEOUT)):
                 message = await client.messages.create(**request)
         return "".join(b.text for b in message.content if b.type == "text").strip()
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         """One request with `tools` (OpenAI's function schemas, given as Anthropic
         tools): its text and its `tool_use` blocks as calls."""
@@ -221,7 +210,7 @@ class _AnswerReader:
     """The streamed events of one answer as deltas: thinking → reasoning, text →
     content, the end's usage, and `finish: length` when the output cap cut it."""
 
-    def __init__(self, sink: Callable[[Delta], None]) -> None:
+    def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.input_tokens = 0
         self.output_tokens = 0

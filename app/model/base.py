@@ -4,11 +4,25 @@ model implement."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypedDict, Unpack
 
-from .wire import Delta, Message, ToolTurn
+from .wire import Delta, Message, Sink, Tool, ToolMessage, ToolTurn
+
+#: the seconds a short call may take in all, unless it says
+SHORT_TIMEOUT = 60.0
+
+
+class Short(TypedDict, total=False):
+    """What a short call (`ChatModel.complete`) may say besides its messages."""
+
+    #: the model that answers (the small model when absent or None)
+    model: str | None
+    #: at most this many tokens of answer (the model's own limit when absent or None)
+    max_tokens: int | None
+    #: the seconds it may take in all (`SHORT_TIMEOUT` when absent)
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +47,7 @@ class ChatModel(Protocol):
     ) -> AsyncIterator[Delta]: ...
 
     async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], sink: Sink, *, model: str | None = None
     ) -> None:
         """What `stream` yields, handed to `sink` as it comes; returns at the end.
         Cancelling is safe (it closes the stream). A model that can hand deltas on
@@ -45,21 +55,10 @@ class ChatModel(Protocol):
         async for delta in self.stream(messages, model=model):
             sink(delta)
 
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str: ...
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str: ...
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         """One streamed request with `tools` (OpenAI's format), read to its end: the
         text and the calls. `ToolsUnsupported` when the request is refused for its tools."""

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, Unpack, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -28,8 +28,8 @@ import orjson
 
 from ..config import LLMSettings
 from ..errors import ConfigError, ModelError, StreamError
+from .base import SHORT_TIMEOUT, Short, Traits
 from .base import ChatModel as ChatModel
-from .base import Traits
 from .errors import (
     ContextTooLong,
     NoToolTurn,
@@ -41,24 +41,25 @@ from .errors import (
     stalled,
     status_detail,
 )
+from .learned import Learned
 from .quirks import (
     SYSTEM_PROMPT_PLACES,
     THINK_TAGS,
     instructions_estimate,
-    instructions_uncounted,
-    listed_traits,
     refused_parameter,
     with_instructions_in_user,
     without_refused,
 )
-from .tokens import OPEN_LEFT_OUT, REASONING, REASONING_TOKENS
+from .tokens import REASONING_TOKENS
 from .upstream import Redirected, StreamedResponse, StreamingClient, streaming_client, usable_for
 from .wire import (
     AnswerDecoder,
     Delta,
     Message,
-    ThinkSplitter,
+    Sink,
+    Tool,
     ToolCall,
+    ToolMessage,
     ToolTurn,
     Verbatim,
     split_think,
@@ -81,12 +82,8 @@ class LLMClient:
     def __init__(self, settings: LLMSettings) -> None:
         self.settings = settings
         self.host = urlsplit(settings.base_url).hostname or ""
-        #: models seen to leave the opening `<think>` out (for this process)
-        self.open_left_out: set[str] = set()
-        #: models seen to reason (for this process): their short calls get room for it
-        self.reasoners: set[str] = set()
-        #: models whose answer ended without a lone `</think>`: their text is not held back
-        self.formats_known: set[str] = set()
+        #: what its answers and model lists showed of each model
+        self.learned = Learned(settings)
         if settings.system_prompt not in SYSTEM_PROMPT_PLACES:
             raise ConfigError(
                 f"llm.system_prompt must be one of {', '.join(SYSTEM_PROMPT_PLACES)},"
@@ -97,17 +94,6 @@ class LLMClient:
                 f"llm.think_tags must be one of {', '.join(THINK_TAGS)},"
                 f" not {settings.think_tags!r}"
             )
-        #: the parameters each model's server was seen to refuse: never sent to it again
-        self.refused: dict[str, set[str]] = {}
-        #: models whose server cannot stream tool calls: their tool rounds are not streamed
-        self.unstreamed_tools: set[str] = set()
-        #: whether a model takes tool calls, as its model list said or a tool turn showed
-        self.tools: dict[str, bool] = {}
-        #: whether a model reasons, as its model list said
-        self.listed_reasoning: dict[str, bool] = {}
-        #: models whose prompt count was looked at for a dropped system prompt
-        self.counted: set[str] = set()
-        self.warned_uncounted: set[str] = set()
         #: the model list being read by `probe` (an answer that starts meanwhile waits)
         self._listing: asyncio.Future[None] | None = None
         self._client: openai.AsyncOpenAI | None = None
@@ -153,8 +139,8 @@ class LLMClient:
         if self._listing is not None and not self._listing.done():
             await self._listed()
         out: list[Delta] = []
-        watched = self._watch_count(name, messages, out.append)
-        decoder = AnswerDecoder(watched, self._splitter(name))
+        watched = self.learned.watch_count(name, messages, out.append)
+        decoder = AnswerDecoder(watched, self.learned.splitter(name))
         with model_errors("model", self.host):
             async with self._open_stream(client, self._answer_body(messages, name)) as response:
                 chunks = body_reader(response)
@@ -177,16 +163,12 @@ class LLMClient:
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
         ended = decoder.end()
-        self._learned(name, decoder)
+        self.learned.answered(name, decoder)
         for delta in ended:
             yield delta
 
     async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], sink: Sink, *, model: str | None = None
     ) -> None:
         """The answer's deltas handed to `sink` as they arrive; returns at its end.
 
@@ -199,7 +181,9 @@ class LLMClient:
         name = model or self.settings.model
         if self._listing is not None and not self._listing.done():
             await self._listed()
-        decoder = AnswerDecoder(self._watch_count(name, messages, sink), self._splitter(name))
+        decoder = AnswerDecoder(
+            self.learned.watch_count(name, messages, sink), self.learned.splitter(name)
+        )
         try:
             await self._read(client, self._answer_body(messages, name), decoder)
         except BaseException:  # cancelled or broken: what was held back is saved as answer
@@ -207,15 +191,9 @@ class LLMClient:
                 sink(delta)
             raise
         ended = decoder.end()
-        self._learned(name, decoder)
+        self.learned.answered(name, decoder)
         for delta in ended:
             sink(delta)
-
-    def _learned(self, name: str, decoder: AnswerDecoder) -> None:
-        """What a streamed answer that ended showed of its model (`_learn`)."""
-        splitter = decoder.splitter
-        whole = decoder.finish != "length"
-        self._learn(name, lone_close=splitter.lone_close, reasoned=splitter.tagged, whole=whole)
 
     async def _read(
         self, client: openai.AsyncOpenAI, body: dict[str, Any], decoder: AnswerDecoder
@@ -243,76 +221,9 @@ class LLMClient:
                 async with asyncio.timeout(LIST_SECONDS):
                     await asyncio.shield(self._listing)
 
-    def _learn_listed(self, body: bytes) -> None:
-        """What the model list says of each model: one served under a name that says
-        nothing (an alias) may be listed with what it is (vLLM's `root`, a `parent`);
-        the name rules apply to that too, so a template that leaves the opening
-        `<think>` out is split from its first answer. A list that cannot be read
-        teaches nothing."""
-        try:
-            models = orjson.loads(body).get("data")
-        except (orjson.JSONDecodeError, AttributeError):
-            return
-        self.learn_listed(models if isinstance(models, list) else [])
-
-    def learn_listed(self, entries: Sequence[Any]) -> None:
-        """What the entries of a model list (`GET /models`'s `data`) say of each model:
-        its format (`_learn_listed`), whether it takes tools and whether it reasons
-        (`quirks.listed_traits`). What a tool turn showed wins over the list."""
-        for entry in entries:
-            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-                continue
-            name = entry["id"]
-            said = [entry.get(key) for key in ("id", "root", "parent")]
-            if any(isinstance(what, str) and OPEN_LEFT_OUT.search(what) for what in said):
-                self.open_left_out.add(name)
-            tools, reasoning = listed_traits(entry)
-            if tools is not None:
-                self.tools.setdefault(name, tools)
-            if reasoning is not None:
-                self.listed_reasoning[name] = reasoning
-
     def traits(self, model: str) -> Traits:
-        """Whether `model` takes tools (its list said, or a tool turn showed) and whether
-        it reasons (its name, its list, or its answers said); None: not known yet."""
-        reasoning = self.listed_reasoning.get(model)
-        if self.reasons(model) or model in self.open_left_out:
-            reasoning = True
-        return Traits(tools=self.tools.get(model), reasoning=reasoning)
-
-    def _splitter(self, name: str) -> ThinkSplitter:
-        """The splitter of an answer by `name`: split from its start when it is known to
-        leave the opening `<think>` out; its text held back until its format shows
-        (`ThinkSplitter`) when nothing is known of it — no answer of it ended here yet,
-        and its model list did not say it never reasons."""
-        tags = self.settings.think_tags
-        if tags == "open_left_out" or name in self.open_left_out or OPEN_LEFT_OUT.search(name):
-            return ThinkSplitter(assume_open=True)
-        known = name in self.formats_known or self.listed_reasoning.get(name) is False
-        if known or tags == "paired":
-            return ThinkSplitter()
-        formats_known = self.formats_known
-        return ThinkSplitter(hold=True, shown=lambda: name in formats_known)
-
-    def _learn(self, name: str, *, lone_close: bool, reasoned: bool, whole: bool = False) -> None:
-        """Remember what a model's answer showed of it: that it leaves the opening
-        `<think>` out (its next answers are split from their start), that it reasons;
-        that it does not (a `whole` answer, not cut at its cap, without a lone
-        `</think>`): its next answers are not held back."""
-        if whole and not lone_close:
-            self.formats_known.add(name)
-        if lone_close and name not in self.open_left_out:
-            log.info(
-                "model %s leaves the opening <think> out: its answers are split from their start",
-                name,
-            )
-            self.open_left_out.add(name)
-        if (reasoned or lone_close) and name not in self.reasoners:
-            self.reasoners.add(name)
-
-    def reasons(self, name: str) -> bool:
-        """Whether `name` is a reasoning model: its name says so, or it was seen to."""
-        return name in self.reasoners or bool(REASONING.search(name))
+        """What its model list said of `model`, or its answers showed (`Learned.traits`)."""
+        return self.learned.traits(model)
 
     def _answer_body(self, messages: Sequence[Message], name: str) -> dict[str, Any]:
         """An answer's request: streamed, its usage asked for, at most
@@ -368,7 +279,7 @@ class LLMClient:
         Raises what `post` raises."""
         if self.settings.system_prompt == "user":
             body = {**body, "messages": with_instructions_in_user(body["messages"])}
-        refused = self.refused.get(name, set())
+        refused = self.learned.refused.get(name, set())
         shaped = without_refused(body, refused) if refused else body
         try:
             return await post(shaped)
@@ -379,49 +290,11 @@ class LLMClient:
             log.warning(
                 "model %s refused the parameter %s: it is not sent to it again", name, parameter
             )
-            refused = self.refused.setdefault(name, set())
+            refused = self.learned.refused.setdefault(name, set())
             refused.add(parameter)
         return await post(without_refused(body, refused))
 
-    def _watch_count(
-        self, name: str, messages: Sequence[Message], sink: Callable[[Delta], None]
-    ) -> Callable[[Delta], None]:
-        """`sink`, behind a look at the answer's `usage` on a model's first answer that
-        has instructions (`_check_count`); after it, `sink` as it is."""
-        if name in self.counted or self.settings.system_prompt != "system":
-            return sink
-        estimate = instructions_estimate(messages)
-        if not estimate:
-            return sink
-        self.counted.add(name)
-
-        def watched(delta: Delta) -> None:
-            if delta.kind == "usage":
-                self._check_count(name, delta.usage, estimate)
-            sink(delta)
-
-        return watched
-
-    def _check_count(self, name: str, usage: dict[str, Any] | None, estimate: int) -> None:
-        """Warn, once per model, when a response's `usage` shows its instructions were
-        not counted: the server's chat template drops system messages."""
-        if name in self.warned_uncounted or not instructions_uncounted(usage, estimate):
-            return
-        self.warned_uncounted.add(name)
-        log.warning(
-            "model %s was given a system prompt its server did not count: its chat template"
-            ' drops system messages; set llm.system_prompt = "user" (LLM_SYSTEM_PROMPT=user)',
-            name,
-        )
-
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str:
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str:
         """A short answer (classify, rewrite, title, ranking, suggestions, planning), read
         whole: its text, without its reasoning — `<think>…</think>`, or everything up
         to a lone `</think>` (a template that leaves the opening tag out, as `stream`
@@ -432,10 +305,10 @@ class LLMClient:
         request at once, and a server that stops when its client goes (llama.cpp's)
         stops working on it — an abandoned call never runs on beside the answer."""
         client = self._require()
-        name = model or self.settings.effective_small_model
+        name = call.get("model") or self.settings.effective_small_model
         body: dict[str, Any] = {"model": name, "messages": list(messages), "stream": True}
-        if max_tokens:
-            extra = REASONING_TOKENS if self.reasons(name) else 0
+        if max_tokens := call.get("max_tokens"):
+            extra = REASONING_TOKENS if self.learned.reasons(name) else 0
             body["max_tokens"] = max_tokens + extra
         parts: list[str] = []
         apart = False
@@ -452,22 +325,18 @@ class LLMClient:
 
         decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(call.get("timeout", SHORT_TIMEOUT)):
                 await self._read(client, body, decoder)
         decoder.end()
         reasoning, content, lone = split_think("".join(parts))
         whole = decoder.finish == "stop"  # not cut at max_tokens: a lone tag would be in it
-        self._learn(name, lone_close=lone, reasoned=apart or bool(reasoning), whole=whole)
+        self.learned.learn(name, lone_close=lone, reasoned=apart or bool(reasoning), whole=whole)
         if self.settings.system_prompt == "system" and usage is not None:
-            self._check_count(name, usage, instructions_estimate(messages))
+            self.learned.check_count(name, usage, instructions_estimate(messages))
         return content.strip()
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         """One tool turn (`_tool_turn`); a turn with calls shows that the model takes
         tools, `ToolsUnsupported` that it does not (`traits`)."""
@@ -475,10 +344,10 @@ class LLMClient:
         try:
             turn = await self._tool_turn(messages, tools, name)
         except ToolsUnsupported:
-            self.tools[name] = False
+            self.learned.tools[name] = False
             raise
         if turn.calls:
-            self.tools[name] = True
+            self.learned.tools[name] = True
         return turn
 
     async def _tool_turn(
@@ -499,7 +368,7 @@ class LLMClient:
             "tool_choice": "auto",
         }
         try:
-            if name not in self.unstreamed_tools:
+            if name not in self.learned.unstreamed_tools:
                 try:
                     with model_errors("model", self.host):
                         content, calls = await self._streamed_tool_turn(client, name, body)
@@ -510,8 +379,8 @@ class LLMClient:
                         "model %s cannot stream tool calls: its tool rounds are not streamed",
                         name,
                     )
-                    self.unstreamed_tools.add(name)
-            if name in self.unstreamed_tools:
+                    self.learned.unstreamed_tools.add(name)
+            if name in self.learned.unstreamed_tools:
                 try:
                     with model_errors("model", self.host):
                         content, calls = await self._whole_tool_turn(client, name, body)
@@ -529,7 +398,7 @@ class LLMClient:
                 raise ToolsUnsupported("the model does not take tools") from exc
             raise
         reasoning, text, lone = split_think("".join(content))
-        self._learn(name, lone_close=lone, reasoned=bool(reasoning))
+        self.learned.learn(name, lone_close=lone, reasoned=bool(reasoning))
         # every call has an id, unique in its turn: the tool answers sent back name it
         made, seen = [], set()
         for index, (call_id, function, arguments) in sorted(calls.items()):
@@ -592,7 +461,9 @@ class LLMClient:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise NoToolTurn("the model's answer to a request with tools has no message") from exc
         if self.settings.system_prompt == "system":
-            self._check_count(name, answer.get("usage"), instructions_estimate(body["messages"]))
+            self.learned.check_count(
+                name, answer.get("usage"), instructions_estimate(body["messages"])
+            )
         for i, parts in calls.items():
             if not isinstance(parts[2], str):  # arguments sent as an object, not as JSON text
                 calls[i][2] = orjson.dumps(parts[2]).decode()
@@ -601,7 +472,7 @@ class LLMClient:
     async def probe(self) -> str | None:
         """Ask the model server for its models (`GET /models`): any answer but a
         refused key means it can be reached (some servers have no such route). What
-        the list says of a model is learned (`_learn_listed`); an answer that starts
+        the list says of a model is learned (`Learned.learn_listed_body`); an answer that starts
         while it is read waits for it (`_listed`)."""
         client = self._require()
         self._listing = listing = asyncio.get_running_loop().create_future()
@@ -610,7 +481,7 @@ class LLMClient:
                 try:
                     async with asyncio.timeout(PROBE_SECONDS):
                         listed = await client.get("/models", cast_to=httpx2.Response)
-                        self._learn_listed(await listed.aread())
+                        self.learned.learn_listed_body(await listed.aread())
                 except openai.APIStatusError as exc:  # it answered: only a key refused counts
                     if exc.status_code not in (401, 403):
                         return None

@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Unpack
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
 
 from ..prompts import Prompts
-from .base import ChatModel, Traits
+from .base import ChatModel, Short, Traits
 from .errors import ToolsUnsupported
-from .wire import Delta, Message, ToolTurn
+from .wire import Delta, Message, Tool, ToolMessage, ToolTurn
 
 DEMO = "demo"
 #: seconds between two pieces of a streamed answer (about 25 words a second)
@@ -81,23 +81,12 @@ class DemoModel(ChatModel):
             await asyncio.sleep(self.pace)
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         """The demo model has no tool calling: it plans in JSON (as such models do)."""
         raise ToolsUnsupported("the demo model does not take tools")
 
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str:
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str:
         """What the small model would write for the prompt it was given (a title,
         follow-up questions, a standalone question, a research plan, a choice of
         results), told apart by which of the server's prompts it is."""

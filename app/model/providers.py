@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import openai
 
@@ -26,10 +26,10 @@ from ..chores import Chores
 from ..config import DEFAULT_PROVIDER, LLMSettings, ProviderSettings, Settings
 from ..errors import AppError, BadRequest, ModelError, StreamError
 from .anthropic import AnthropicModel
-from .base import Traits
+from .base import Short, Traits
 from .client import ChatModel, LLMClient
 from .tokens import REASONING
-from .wire import Delta, Message, ToolTurn
+from .wire import Delta, Message, Sink, Tool, ToolMessage, ToolTurn
 
 log = logging.getLogger("app.llm")
 
@@ -303,7 +303,7 @@ async def _listing(provider: Provider) -> list[tuple[str, str]]:
     try:
         page = await lister.models.list()
         if isinstance(client, LLMClient):  # what the list says of each: tools, reasoning
-            client.learn_listed([m.to_dict() for m in page.data])
+            client.learned.learn_listed([m.to_dict() for m in page.data])
         return [(m.id, m.id) for m in page.data]
     except openai.APIStatusError as exc:
         if exc.status_code in (401, 403):
@@ -349,35 +349,19 @@ class Bound:
                 yield delta
 
     async def answer(
-        self,
-        messages: Sequence[Message],
-        sink: Callable[[Delta], None],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[Message], sink: Sink, *, model: str | None = None
     ) -> None:
         with self._named(model or self.model):
             await self.client.answer(messages, sink, model=model or self.model)
 
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str | None = None,
-        max_tokens: int | None = None,
-        timeout: float = 60.0,
-    ) -> str:
-        name = model or self.small_model
+    async def complete(self, messages: Sequence[Message], **call: Unpack[Short]) -> str:
+        name = call.get("model") or self.small_model
         with self._named(name):
-            return await self.small.complete(
-                messages, model=name or None, max_tokens=max_tokens, timeout=timeout
-            )
+            named: Short = {**call, "model": name or None}
+            return await self.small.complete(messages, **named)
 
     async def tool_turn(
-        self,
-        messages: Sequence[dict[str, Any]],
-        tools: Sequence[dict[str, Any]],
-        *,
-        model: str | None = None,
+        self, messages: Sequence[ToolMessage], tools: Sequence[Tool], *, model: str | None = None
     ) -> ToolTurn:
         with self._named(model or self.model):
             return await self.client.tool_turn(messages, tools, model=model or self.model)

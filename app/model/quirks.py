@@ -1,7 +1,7 @@
 """What a model server does differently, read from its answers: where its chat
 template wants the instructions (`with_instructions_in_user`, `instructions_uncounted`)
 and which parameters it refuses (`refused_parameter`, `without_refused`). Pure
-functions: `LLMClient` keeps what they found per model, for the process.
+functions: `learned.Learned` keeps what they found per model, for the process.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ from .errors import ContextTooLong, redact
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
 
 Message = dict[str, str]
+#: a message of a tool round: its calls and their results are more than text
+ToolMessage = dict[str, Any]
+#: a tool offered to the model, in OpenAI's format (`type`, `function`: name, schema)
+Tool = dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -38,6 +42,8 @@ class Delta:
 
 
 KEEPALIVE = Delta("keepalive")
+#: what an answer's deltas are handed to, one by one, as they come
+Sink = Callable[[Delta], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +72,7 @@ class AnswerDecoder:
 
     __slots__ = ("sink", "splitter", "buffer", "received", "done", "finish")
 
-    def __init__(self, sink: Callable[[Delta], None], splitter: ThinkSplitter) -> None:
+    def __init__(self, sink: Sink, splitter: ThinkSplitter) -> None:
         self.sink = sink
         self.splitter = splitter
         self.buffer = b""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse
-from .sql import Database, mapped, not_yours, taken
+from .sql import Connection, Database, mapped, not_yours, taken
 
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
 MESSAGE_COLUMNS = (
@@ -16,11 +16,21 @@ MESSAGE_COLUMNS = (
 MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model, truncated"
 INSERT_MESSAGE = f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
+#: the columns of a message but its ids, as SQLite's first table has them: the rebuild
+#: that gives it text ids (migration 2) keeps them as they were
+SQLITE_MESSAGE_FIELDS = """\
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        reasoning TEXT NOT NULL DEFAULT '',
+        rewritten TEXT,
+        sources TEXT NOT NULL DEFAULT '[]',
+        status TEXT NOT NULL,"""
+
 #: the schema's changes, by migration number (the two first differ by dialect: SQLite
 #: rebuilds its tables where PostgreSQL alters a column's type)
 MIGRATIONS: dict[int, str | dict[str, str]] = {
     1: {
-        "sqlite": """
+        "sqlite": f"""
     CREATE TABLE IF NOT EXISTS chats (
         id INTEGER PRIMARY KEY,
         user_id INTEGER NOT NULL,
@@ -32,12 +42,7 @@ MIGRATIONS: dict[int, str | dict[str, str]] = {
     CREATE TABLE IF NOT EXISTS messages (
         id INTEGER PRIMARY KEY,
         chat_id INTEGER NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
-        role TEXT NOT NULL,
-        content TEXT NOT NULL,
-        reasoning TEXT NOT NULL DEFAULT '',
-        rewritten TEXT,
-        sources TEXT NOT NULL DEFAULT '[]',
-        status TEXT NOT NULL,
+{SQLITE_MESSAGE_FIELDS}
         reply_to INTEGER,
         created_at REAL NOT NULL
     );
@@ -70,7 +75,7 @@ MIGRATIONS: dict[int, str | dict[str, str]] = {
     # 2: opaque text ids (existing integer ids become their decimal text), the
     # answers a sweeper looks for
     2: {
-        "sqlite": """
+        "sqlite": f"""
     CREATE TABLE chats_v2 (
         id TEXT PRIMARY KEY,
         user_id TEXT NOT NULL,
@@ -83,12 +88,7 @@ MIGRATIONS: dict[int, str | dict[str, str]] = {
     CREATE TABLE messages_v2 (
         id TEXT PRIMARY KEY,
         chat_id TEXT NOT NULL REFERENCES chats_v2 (id) ON DELETE CASCADE,
-        role TEXT NOT NULL,
-        content TEXT NOT NULL,
-        reasoning TEXT NOT NULL DEFAULT '',
-        rewritten TEXT,
-        sources TEXT NOT NULL DEFAULT '[]',
-        status TEXT NOT NULL,
+{SQLITE_MESSAGE_FIELDS}
         reply_to TEXT,
         created_at REAL NOT NULL
     );
@@ -153,6 +153,20 @@ def chat_from_row(row: Any) -> Chat:
     return Chat(
         id=str(row[0]), user_id=str(row[1]), title=row[2], focus_mode=row[3], created_at=row[4]
     )
+
+
+async def insert_chat(tx: Connection, chat: Chat) -> bool:
+    """Insert `chat`'s row, unless a chat of its id is there; whether it was inserted."""
+    inserted = await tx.execute(
+        "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+        chat.id,
+        chat.user_id,
+        chat.title,
+        chat.focus_mode,
+        chat.created_at,
+    )
+    return inserted == 1
 
 
 def message_from_row(
@@ -243,18 +257,7 @@ class ChatTables:
         files: Sequence[str] = (),
     ) -> bool:
         async with self.db.transaction() as tx:
-            created = (
-                await tx.execute(
-                    "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
-                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                    chat.id,
-                    chat.user_id,
-                    chat.title,
-                    chat.focus_mode,
-                    chat.created_at,
-                )
-                == 1
-            )
+            created = await insert_chat(tx, chat)
             if not created:
                 owner = await tx.fetchval("SELECT user_id FROM chats WHERE id = ?", chat.id)
                 if owner != chat.user_id:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .chats import insert_chat
 from .records import Chat, Delivery, Schedule, ScheduleRun
 from .sql import Database, mapped
 
@@ -164,15 +165,7 @@ class ScheduleTables:
             )
             if count >= max_per_user:
                 return False
-            await tx.execute(
-                "INSERT INTO chats (id, user_id, title, focus_mode, created_at)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                chat.id,
-                chat.user_id,
-                chat.title,
-                chat.focus_mode,
-                chat.created_at,
-            )
+            await insert_chat(tx, chat)
             await tx.execute(
                 f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({marks})",
                 *self._schedule_params(schedule),
