@@ -108,8 +108,9 @@ async def test_every_transport_ends_completed_within_the_cap(real):
         await client.close()
 
 
-async def test_no_step_takes_its_own_prompt_for_the_question_or_the_title(real):
-    with serve(create_app(real)) as server:
+async def test_no_step_takes_its_own_prompt_for_the_question_or_the_title(real, llama):
+    # two research rounds: their searches are steps too, and the rest would be more of them
+    with serve(create_app(real.replace(research={"balanced_rounds": 2}))) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, event_hooks=USER) as http:
             seen: list[str] = []
             for chat_id, mode, focus in (("e1", "balanced", "webSearch"), ("e2", "", "deepSeek")):
@@ -129,12 +130,15 @@ async def test_no_step_takes_its_own_prompt_for_the_question_or_the_title(real):
                     if e.type == "progress" and e.data.get("step", {}).get("kind") == "search"
                 ]
                 seen += [q for q in searched if q]
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:  # the title is made once the answer ended
+                # the title is asked for once the answer ended: the model server idle
+                # again, it was written (or refused: the question stays the title)
+                assert await wait_idle(llama, 60)
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline:
                     chat = (await http.get(f"/api/chats/{chat_id}")).json()
                     if chat["chat"]["title"] != FOLLOW_UP:
                         break
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(0.1)
                 question = chat["messages"][0]
                 assert question["content"] == FOLLOW_UP
                 seen += [chat["chat"]["title"], question.get("rewritten") or ""]

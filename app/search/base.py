@@ -111,6 +111,9 @@ class SearchProvider(abc.ABC):
         # question are in its query string) nor what the provider answered
         try:
             response = await self.http.send(request)
+        except httpx.TimeoutException as exc:  # the client's own timeout: what it was
+            log.warning("%s timed out (%s at %s)", self.name, type(exc).__name__, request.url.host)
+            raise SearchError(f"{self.name} timed out") from exc
         except httpx.HTTPError as exc:
             log.warning(
                 "%s is unreachable (%s at %s)", self.name, type(exc).__name__, request.url.host
