@@ -51,7 +51,8 @@ async def run_streams(kind: str, url: str, streams: int, tokens: int, rate: floa
         if kind in ("relay", "passthrough", "bare"):
             payload = orjson.dumps({"content": content})
             result = await sse_stream(url, {}, parse=False, path="/" + kind, payload=payload)
-            return result.events - (2 if kind == "passthrough" else 0)  # finish, [DONE]
+            # passthrough: the model's finish and [DONE]; bare: its messageEnd
+            return result.events - (2 if kind == "passthrough" else 1 if kind == "bare" else 0)
         if kind == "openai":
             payload = orjson.dumps(
                 {
