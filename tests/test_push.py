@@ -5,6 +5,7 @@ takes the events at once, refuses some, stops reading for a while or resumes."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,6 +19,7 @@ from app.streams import GenerationLog
 from tests.client import SseEvent, chat_body, iter_sse, read_events, rest
 from tests.conftest import USER
 from tests.servers import serve
+from tests.test_slow_clients import masked_text_frame
 
 pytestmark = pytest.mark.anyio
 
@@ -230,3 +232,52 @@ async def test_one_socket_follows_two_pushed_answers_each_in_order(settings, fak
             f"tok{i} " for i in range(30)
         )
         assert got[-1]["type"] == "messageEnd"
+
+
+def read_frames_until_end(sock: socket.socket) -> list[dict]:
+    """A server's unmasked text frames (others skipped), until a `messageEnd` or `error`."""
+    stream = sock.makefile("rb")
+    frames: list[dict] = []
+    while True:
+        head = stream.read(2)
+        length = head[1] & 0x7F
+        if length == 126:
+            length = int.from_bytes(stream.read(2), "big")
+        elif length == 127:
+            length = int.from_bytes(stream.read(8), "big")
+        payload = stream.read(length)
+        if head[0] & 0x0F != 1:  # a ping
+            continue
+        frame = orjson.loads(payload)
+        frames.append(frame)
+        if frame.get("type") in ("messageEnd", "error"):
+            return frames
+
+
+async def test_a_websocket_client_that_stops_reading_gets_every_frame_in_order(
+    settings, fake_model
+):
+    with serve(create_app(settings)) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        try:
+            sock.sendall(
+                b"GET /api/chat/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\n\r\n"
+            )
+            response = b""
+            while b"\r\n\r\n" not in response:
+                response += sock.recv(1)
+            assert b" 101 " in response.split(b"\r\n", 1)[0]
+            body = chat_body("#tokens=300 #size=20000 #reasoning=0", chatId="9106")
+            sock.sendall(masked_text_frame(orjson.dumps(body)))
+            await asyncio.sleep(1.0)  # not read: the server's buffers fill
+            sock.settimeout(20)
+            frames = await asyncio.to_thread(read_frames_until_end, sock)
+        finally:
+            sock.close()
+    numbered = [int(f["eventId"].split(":")[1]) for f in frames if "eventId" in f]
+    assert numbered == list(range(1, len(numbered) + 1))
+    assert len("".join(f["data"] for f in frames if f["type"] == "message")) == 300 * 20000
+    assert frames[-1]["type"] == "messageEnd"
