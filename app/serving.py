@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import SecurityError
 from websockets.http11 import Request
@@ -81,6 +81,12 @@ UNREADABLE_BODY = b'{"type":"error","key":"BAD_REQUEST","data":"invalid HTTP req
 TEXT_FRAMES = "app.websocket.text_frames"
 #: what `write_texts` is to the app
 WriteTexts = Callable[[Sequence[bytes]], bool]
+
+#: the scope extension by which an HTTP app writes a chunk of its response's body at
+#: once (its `write` is made by `body_writer`)
+BODY_CHUNKS = "app.http.body_chunks"
+#: what that `write` is to the app
+WriteBody = Callable[[bytes], bool]
 
 #: the attributes of uvicorn's config that hold the server's settings, and the count
 #: of its open connections by address
@@ -292,7 +298,11 @@ class BoundedHeaders(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_body = True
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:  # a request for the app (no upgrade)
+            cycle.scope.setdefault("extensions", {})[BODY_CHUNKS] = {"write": body_writer(cycle)}
         if not self.transport.is_closing():
             self._arm(self.body_timeout, self._body_late)
 
@@ -375,6 +385,31 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
         else:
             self.transport.write(b"".join([_text_head(len(f)) + f for f in frames]))
         return True
+
+
+def body_writer(cycle: RequestResponseCycle) -> WriteBody:
+    """`write(body)`: a chunk of the response's body, written now, as `send` would
+    write it (`http.response.body` with more to come); or nothing and False when it
+    cannot go at once — the response not started (or ended), not chunked (HTTP/1.0,
+    a length given, HEAD), the client gone, or the transport paused by flow control
+    (its buffer is full: `send` waits for it). Then `send` it. The app sees to it that
+    no `send` of the body is under way meanwhile (it would go out after this)."""
+
+    def write(body: bytes) -> bool:
+        if (
+            cycle.disconnected
+            or not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+            or cycle.flow.write_paused
+            or cycle.transport.is_closing()
+        ):
+            return False
+        if body:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    return write
 
 
 def _text_head(length: int) -> bytes:

@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -255,13 +255,24 @@ class ChatService:
         return services, replace(request, provider=choice.provider, model=choice.model)
 
     async def relay(
-        self, handle: Handle, encoder: Encoder[Chunk], after_seq: int = 0
+        self,
+        handle: Handle,
+        encoder: Encoder[Chunk],
+        after_seq: int = 0,
+        write: Callable[[Chunk], bool] | None = None,
     ) -> AsyncIterator[Chunk]:
         """The generation's events after `after_seq`, encoded, live, until its end.
 
         A client that fell behind gets what piled up in one chunk of at most
         `stream.max_queue_events` events. Closing the iterator (the client went)
         is safe: the generation is not affected.
+
+        `write` is the connection's way to write a chunk at once, or to say (False,
+        nothing written) that it cannot now. With it, a caught-up relay of a
+        generation of this process writes each event in the call that releases it,
+        and yields nothing for it; from the first chunk `write` refuses, chunks are
+        yielded again, that one first: the client gets every event once, in order.
+        The iterator still ends after the terminal event.
         """
         sent = self.metrics.events_sent.labels(encoder.name)
         first = encoder.preamble(handle)
@@ -270,8 +281,37 @@ class ChatService:
         cap = max(1, self.settings.stream.max_queue_events)
         seq = after_seq
         counted = 0  # events sent, added to the metric every COUNT_EVERY (it costs a lock)
+        unsent: Chunk | None = None  # encoded for `write`, refused by it: goes out first
+        unsent_upto = 0  # the seq of its last event
+
+        def pushed(batch: list[Event]) -> bool:
+            nonlocal seq, counted, unsent, unsent_upto
+            if len(batch) > cap or write is None:
+                return False
+            chunk = encoder.encode(batch)
+            if chunk is not None and not write(chunk):
+                if batch[0].seq:  # a keep-alive is simply encoded again
+                    unsent, unsent_upto = chunk, batch[-1].seq
+                return False
+            seq = batch[-1].seq or seq
+            counted += len(batch)
+            if counted >= COUNT_EVERY:
+                sent.inc(counted)
+                counted = 0
+            return True
+
         try:
-            async for batch in self.hub.subscribe(handle, after_seq):
+            push = pushed if write is not None else None
+            async for batch in self.hub.subscribe(handle, after_seq, push):
+                if unsent is not None:  # the log hands those events over again
+                    held, unsent = unsent, None
+                    taken = unsent_upto - batch[0].seq + 1
+                    seq = unsent_upto
+                    counted += taken
+                    yield held
+                    batch = batch[taken:]
+                    if not batch:
+                        continue
                 seq = batch[-1].seq or seq
                 for start in range(0, len(batch), cap):
                     part = batch[start : start + cap] if len(batch) > cap else batch

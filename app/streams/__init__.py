@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..events import Handle
-from .base import GenerationLog, LocalRegistry, LogWriter, StreamHub
+from .base import GenerationLog, LocalRegistry, LogWriter, Push, StreamHub
 from .connect import close_redis, open_redis
 
 
@@ -41,6 +41,7 @@ __all__ = [
     "Handle",
     "LocalRegistry",
     "LogWriter",
+    "Push",
     "StreamHub",
     "close_redis",
     "open_hub",

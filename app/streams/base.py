@@ -8,6 +8,8 @@ replay them from a sequence number and follow them live.
 A generation writes through a `LogWriter`, which numbers its events and
 appends them to its `GenerationLog`. Writing is synchronous and never
 blocks: the generation goes on and readers catch up at their own pace.
+A reader that is caught up and can write at once is handed each released
+event in the call that released it (`Push`), with no task woken per event.
 Backends (`memory://`, `redis://`) are siblings: both keep this process's
 part in a `LocalRegistry`; the Redis one also shares it with other processes.
 """
@@ -26,6 +28,9 @@ from ..events import Event, Handle
 #: called with each numbered event a log receives (the Redis backend queues it, and
 #: releases it to readers once Redis has acknowledged the write that holds it)
 Sink = Callable[["GenerationLog", Event], None]
+#: a reader's way to take a batch of released events now, in the call that released
+#: them: True when it took all of them, False (nothing taken) when it cannot now
+Push = Callable[[list[Event]], bool]
 
 
 class GenerationLog:
@@ -45,6 +50,7 @@ class GenerationLog:
         "keepalives",
         "finished",
         "_waiters",
+        "_pushed",
         "_sink",
         "_add",
     )
@@ -56,6 +62,7 @@ class GenerationLog:
         self.keepalives = 0
         self.finished = False
         self._waiters: list[asyncio.Future[None]] = []
+        self._pushed: list[_Pushed] = []
         self._sink = sink
         #: what keeps a numbered event (nothing, once the log `fail`ed)
         self._add: Callable[[Event], None] = self.events.append
@@ -71,14 +78,14 @@ class GenerationLog:
             self.durable = len(self.events)
         else:
             self.keepalives += 1
-        if self._waiters:
+        if self._waiters or self._pushed:
             self._wake()
 
     def release(self, upto: int) -> None:
         """Readers may see the events up to seq `upto`: they are durable."""
         if upto > self.durable:
             self.durable = min(upto, len(self.events))
-            if self._waiters:
+            if self._waiters or self._pushed:
                 self._wake()
 
     def end(self, terminal: Event) -> None:
@@ -87,7 +94,7 @@ class GenerationLog:
         self.events.append(terminal)
         self.durable = len(self.events)
         self.finished = True
-        if self._waiters:
+        if self._waiters or self._pushed:
             self._wake()
 
     def fail(self, error: Event) -> None:
@@ -100,7 +107,7 @@ class GenerationLog:
         self._sink = None
         self.durable = len(self.events)
         self.finished = True
-        if self._waiters:
+        if self._waiters or self._pushed:
             self._wake()
 
     @property
@@ -109,6 +116,8 @@ class GenerationLog:
         return self.events[: self.durable]
 
     def _wake(self) -> None:
+        if self._pushed:
+            self._push()
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -126,8 +135,45 @@ class GenerationLog:
                 self._waiters.remove(waiter)
             raise
 
-    async def follow(self, after_seq: int) -> AsyncIterator[list[Event]]:
-        """Batches of released events after `after_seq`, live, until the terminal one."""
+    def _push(self) -> None:
+        """Hand what was released since to each pushed reader; one that cannot take it
+        goes back to its `follow` loop, from where it was."""
+        events, durable = self.events, self.durable
+        for reader in self._pushed[:]:
+            position = reader.position
+            if position < durable:
+                batch = events[position:durable]
+                if not reader.offer(batch):
+                    self._detach(reader)
+                    continue
+                reader.position = durable
+                if batch[-1].terminal:
+                    self._detach(reader)
+                    continue
+            if reader.keepalives != self.keepalives:
+                if not reader.offer([self._keepalive()]):
+                    self._detach(reader)
+                    continue
+                reader.keepalives = self.keepalives
+
+    def _detach(self, reader: _Pushed) -> None:
+        self._pushed.remove(reader)
+        if not reader.back.done():
+            reader.back.set_result(None)
+
+    def _keepalive(self) -> Event:
+        durable, h = self.durable, self.handle
+        last = self.events[durable - 1] if durable else None
+        return Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
+
+    async def follow(self, after_seq: int, push: Push | None = None) -> AsyncIterator[list[Event]]:
+        """Batches of released events after `after_seq`, live, until the terminal one.
+
+        With `push`, a caught-up reader is handed what is released next through `push`,
+        in the call that releases it, instead of being woken for it; when `push` cannot
+        take a batch (or raises), the reader is yielded it from here, as without `push`,
+        in order after what `push` took: nothing is lost, repeated or reordered. The
+        iterator ends once `push` has taken the terminal event. Cancelling is safe."""
         position = after_seq
         seen_keepalives = self.keepalives
         loop = asyncio.get_running_loop()  # once: asking for it costs a system call
@@ -145,13 +191,42 @@ class GenerationLog:
                 return
             if self.keepalives != seen_keepalives:
                 seen_keepalives = self.keepalives
-                last = events[durable - 1] if durable else None
-                h = self.handle
-                yield [
-                    Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
-                ]
+                yield [self._keepalive()]
                 continue
-            await self.wait(loop)
+            if push is None:
+                await self.wait(loop)
+                continue
+            reader = _Pushed(position, seen_keepalives, push, loop.create_future())
+            self._pushed.append(reader)
+            try:
+                await reader.back
+            finally:
+                if reader in self._pushed:
+                    self._pushed.remove(reader)
+            position, seen_keepalives = reader.position, reader.keepalives
+            if position and events[position - 1].terminal:
+                return
+
+
+class _Pushed:
+    """A reader of a log being pushed its events: where it is, and how to get it back
+    to its `follow` loop (`back`)."""
+
+    __slots__ = ("position", "keepalives", "push", "back")
+
+    def __init__(
+        self, position: int, keepalives: int, push: Push, back: asyncio.Future[None]
+    ) -> None:
+        self.position = position
+        self.keepalives = keepalives
+        self.push = push
+        self.back = back
+
+    def offer(self, batch: list[Event]) -> bool:
+        try:
+            return self.push(batch)
+        except Exception:  # noqa: BLE001 - its follow loop meets it again, where it belongs
+            return False
 
 
 def _dropped(event: Event) -> None:
@@ -404,10 +479,13 @@ class StreamHub(abc.ABC):
         runs at a time (held for `ttl` seconds, renewed by asking again)."""
 
     @abc.abstractmethod
-    def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    def subscribe(
+        self, handle: Handle, after_seq: int, push: Push | None = None
+    ) -> AsyncIterator[list[Event]]:
         """Batches of the generation's events after `after_seq`, then live ones, until
         its terminal event. A generation lost with its process ends with an
-        `error` event (STREAM_ERROR)."""
+        `error` event (STREAM_ERROR). `push`: see `GenerationLog.follow` (used for
+        a generation of this process; others' events all come as batches)."""
 
     async def __aenter__(self) -> StreamHub:
         await self.open()

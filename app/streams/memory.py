@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ..events import Event, Handle
-from .base import GenerationLog, LocalRegistry, StreamHub
+from .base import GenerationLog, LocalRegistry, Push, StreamHub
 
 
 class MemoryHub(StreamHub):
@@ -58,9 +58,11 @@ class MemoryHub(StreamHub):
     async def lead(self, chore: str, ttl: float) -> bool:
         return True  # the only process
 
-    def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    def subscribe(
+        self, handle: Handle, after_seq: int, push: Push | None = None
+    ) -> AsyncIterator[list[Event]]:
         log = self.local.log(handle.answer_id)
-        return log.follow(after_seq) if log is not None else _nothing()
+        return log.follow(after_seq, push) if log is not None else _nothing()
 
 
 async def _nothing() -> AsyncIterator[list[Event]]:

@@ -37,6 +37,7 @@ from . import rediskeys as k
 from .base import (
     GenerationLog,
     LocalRegistry,
+    Push,
     Running,
     StreamHub,
     already_running,
@@ -434,10 +435,12 @@ class RedisHub(StreamHub):
         """Write pending events now (see `Committer.flush`)."""
         await self.commits.flush(only)
 
-    def subscribe(self, handle: Handle, after_seq: int) -> AsyncIterator[list[Event]]:
+    def subscribe(
+        self, handle: Handle, after_seq: int, push: Push | None = None
+    ) -> AsyncIterator[list[Event]]:
         local = self.local.log(handle.answer_id)
         if local is not None:  # straight from the log: no hop per event
-            return local.follow(after_seq)
+            return local.follow(after_seq, push)
         return follow(self, handle, after_seq)
 
     async def owner_of(self, answer_id: str) -> str:

@@ -88,8 +88,9 @@ def stream_response(request: Request, handle: Handle, fmt: str, after_seq: int =
     """The generation's events from `after_seq` as an SSE response. A client that
     stops reading is let go; the generation goes on, resumable."""
     state = request.app.state
+    encoder = SseEncoder(fmt, state.settings.stream.retry_ms)
     return StreamResponse(
-        state.service.relay(handle, SseEncoder(fmt, state.settings.stream.retry_ms), after_seq),
+        lambda write: state.service.relay(handle, encoder, after_seq, write),
         connections=state.metrics.connections_active.labels("sse"),
         group=state.streams,
         media_type="text/event-stream; charset=utf-8",

@@ -10,6 +10,11 @@ stream is idle (`on_disconnect` is how the OpenAI-compatible API stops its
 generation). Responses made with a `group` are in it while they run, so that a
 server shutting down can `end` the ones still open.
 
+A response may be given a function that makes its chunks from a `write`: a way to
+write a chunk straight to the server's transport at once, or to be told it cannot
+(`serving.BODY_CHUNKS`: flow control paused it, a write is under way, the client
+went), for a source that writes what it can itself and yields the rest.
+
 The start and the end go through the middleware; the chunks in between go to
 the server's own `send` when the app left it in the scope (`SERVER_SEND`): the
 middleware only look at the start, and four wrappers per chunk are a fair part
@@ -29,6 +34,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..chores import cancel_and_wait
+from ..serving import BODY_CHUNKS, WriteBody
 
 log = logging.getLogger("app.stream")
 
@@ -49,7 +55,7 @@ class StreamResponse(Response):
 
     def __init__(
         self,
-        chunks: AsyncIterator[bytes],
+        chunks: AsyncIterator[bytes] | Callable[[WriteBody], AsyncIterator[bytes]],
         *,
         media_type: str,
         headers: Mapping[str, str] | None = None,
@@ -60,7 +66,9 @@ class StreamResponse(Response):
         connections: Gauge | None = None,
         group: set[StreamResponse] | None = None,
     ) -> None:
-        self.chunks = chunks
+        self._source = chunks
+        self.chunks: AsyncIterator[bytes] = chunks if not callable(chunks) else _none()
+        self._write_body: WriteBody | None = None
         self.status_code = 200
         self.background = None
         self.raw_headers = [
@@ -86,6 +94,10 @@ class StreamResponse(Response):
         if self.group is not None:
             self.group.add(self)
         try:
+            if callable(self._source):
+                found = scope.get("extensions", {}).get(BODY_CHUNKS)
+                self._write_body = found["write"] if found else None
+                self.chunks = self._source(self.write_now)
             await self._respond(receive, send, scope.get(SERVER_SEND, send))
         finally:
             if self.connections is not None:
@@ -120,6 +132,16 @@ class StreamResponse(Response):
         elif self.on_disconnect is not None:
             self.on_disconnect()
 
+    def write_now(self, chunk: bytes) -> bool:
+        """Write `chunk` at once, in order after every chunk before it; or nothing and
+        False when it cannot go now (a write or ping is under way, flow control, the
+        client gone, the response ended)."""
+        write = self._write_body
+        if write is None or self._writing_since is not None or self._ended or not write(chunk):
+            return False
+        self._last_write = time.monotonic()
+        return True
+
     async def _write(self, send: Send) -> None:
         clock = time.monotonic
         async for chunk in self.chunks:
@@ -153,3 +175,8 @@ class StreamResponse(Response):
                     await send({"type": "http.response.body", "body": self.ping, "more_body": True})
                     self._writing_since = None
                     self._last_write = time.monotonic()
+
+
+async def _none() -> AsyncIterator[bytes]:
+    return
+    yield

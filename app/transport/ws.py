@@ -103,13 +103,7 @@ class SocketWriter:
         """Write `frames` (each one message of UTF-8 text), in order after every
         write before it. Raises `WebSocketDisconnect` for a socket stuck or gone.
         Cancelling is safe: a frame is written whole or not at all."""
-        write_now = self._write_now
-        if (
-            write_now is not None
-            and not self._stuck
-            and not self.lock.locked()
-            and write_now(frames)
-        ):
+        if self.write_now(frames):
             return
         send = self._send
         async with self.lock:
@@ -127,6 +121,11 @@ class SocketWriter:
                 raise
             finally:
                 self._writing_since = None
+
+    def write_now(self, frames: Sequence[bytes]) -> bool:
+        """Write `frames` now, if nothing holds them up; else nothing, and False."""
+        write = self._write_now
+        return write is not None and not self._stuck and not self.lock.locked() and write(frames)
 
     async def send_json(self, frame: dict[str, Any]) -> None:
         await self.send([orjson.dumps(frame)])
@@ -182,7 +181,8 @@ class Session:
 
     async def _relay(self, handle: Handle, encoder: WsEncoder, after_seq: int) -> None:
         try:
-            async for frames in self.service.relay(handle, encoder, after_seq):
+            relay = self.service.relay(handle, encoder, after_seq, self.writer.write_now)
+            async for frames in relay:
                 await self.writer.send(frames)
         except (WebSocketDisconnect, OSError, RuntimeError):
             pass  # the socket went away; the generation goes on and stays resumable
