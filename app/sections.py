@@ -56,7 +56,8 @@ class LLMSettings:
     #: how long the model may stay silent mid-answer
     read_timeout_seconds: float = 120.0
     #: the most an answer may be, in tokens: an answer cut there ends `completed` with
-    #: `truncated: true` in `messageEnd` and is saved whole
+    #: `truncated: true` in `messageEnd` and is saved whole (a research round's call is
+    #: cut there too)
     max_output_tokens: int = 8192
     #: where the instructions go: "system", or "user" for a chat template that drops
     #: system messages (llama.cpp's gemma format)

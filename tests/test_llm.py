@@ -516,9 +516,13 @@ async def test_an_answer_asks_for_at_most_max_output_tokens_and_says_when_it_was
         streamed = await deltas(client, "never stops #endless #reasoning=0")
         handed = await answered(client, "never stops #endless #reasoning=0")
         whole = await answered(client, "short #tokens=3 #reasoning=0")
+        tool = {"type": "function", "function": {"name": "done", "parameters": {}}}
+        await client.tool_turn([{"role": "user", "content": "research"}], [tool])
     finally:
         await client.aclose()
     assert [r["max_tokens"] for r in fake_model.streamed_requests()] == [7, 7, 7]
+    # a research round is model output too: a model that never stops is cut there
+    assert [r["max_tokens"] for r in fake_model.tool_requests()] == [7]
     for got in (streamed, handed):
         assert [kind for kind, _ in got].count("content") == 7
         assert ("finish", "length") in got

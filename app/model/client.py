@@ -361,12 +361,14 @@ class LLMClient:
         model; when that fails too, or when a refusal names the tools themselves,
         `ToolsUnsupported`."""
         client = self._require()
-        body = {
+        body: dict[str, Any] = {
             "model": name,
             "messages": list(messages),
             "tools": list(tools),
             "tool_choice": "auto",
         }
+        if self.settings.max_output_tokens > 0:  # a model that never stops is cut there too
+            body["max_tokens"] = self.settings.max_output_tokens
         try:
             if name not in self.learned.unstreamed_tools:
                 try:
