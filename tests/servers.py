@@ -146,12 +146,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
+def wait_for_port(
+    port: int, timeout: float = 20.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until something listens on `port`; RuntimeError after `timeout`, or as soon as
+    `process` (what should listen) has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the process exited ({process.returncode}) before it listened")
         time.sleep(0.02)
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
@@ -197,7 +203,7 @@ class AppProcess(Loopback):
             stderr=subprocess.STDOUT,
         )
         try:
-            wait_for_port(self.port)
+            wait_for_port(self.port, process=self.proc)
         except RuntimeError:
             self.stop()
             raise
