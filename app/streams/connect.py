@@ -114,7 +114,7 @@ def _sentinel_master(url: str, timeout: float, options: dict[str, Any]) -> Any:
         master["username"] = unquote(username)
     if password:
         master["password"] = unquote(password)
-    watchers = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **master)  # type: ignore[no-untyped-call]
+    watchers = Sentinel(sentinels, sentinel_kwargs=sentinel_options, **master)  # type: ignore[no-untyped-call, unused-ignore]
     return watchers.master_for(
         service, connection_pool_class=WaitingPool, timeout=timeout, health_check_interval=15
     )
@@ -151,7 +151,7 @@ def blocking_client(redis: Any) -> Any:
             )
             for s in watchers.sentinels
         ]
-        own = Sentinel(addresses, sentinel_kwargs=watchers.sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
+        own = Sentinel(addresses, sentinel_kwargs=watchers.sentinel_kwargs, **options)  # type: ignore[no-untyped-call, unused-ignore]
         return own.master_for(pool.service_name)
     waiting = aioredis.ConnectionPool(connection_class=pool.connection_class, **options)
     return aioredis.Redis.from_pool(waiting)
