@@ -33,7 +33,8 @@ bash scripts/real_model.sh >/dev/null
 
 .venv/bin/ruff check app tests bench
 .venv/bin/ruff format --check --quiet app tests bench
-.venv/bin/mypy
+# mypy keeps its cache beside the model: a second run checks only what changed
+.venv/bin/mypy --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/searchchat/mypy"
 site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 rm -rf "$site"
