@@ -195,6 +195,10 @@ class AppProcess(Loopback):
         self.log_file = tempfile.NamedTemporaryFile(prefix="app-", suffix=".log", delete=False)  # noqa: SIM115
 
     def start(self) -> AppProcess:
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> AppProcess:
+        """Starts the process without waiting for it to listen (see `wait_ready`)."""
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "app", *self.args],
             env=self.env,
@@ -202,6 +206,9 @@ class AppProcess(Loopback):
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
         )
+        return self
+
+    def wait_ready(self) -> AppProcess:
         try:
             wait_for_port(self.port, process=self.proc)
         except RuntimeError:
@@ -211,13 +218,25 @@ class AppProcess(Loopback):
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            # under a prefix (`unshare --fork`) the server is the prefix's child, and
+            # the prefix passes no signal on: the server itself is asked to stop
+            for pid in self._children() if self.prefix else [self.proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.log_file.close()
+
+    def _children(self) -> list[int]:
+        assert self.proc is not None
+        try:
+            listed = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return [self.proc.pid]
+        return [int(pid) for pid in listed.split()] or [self.proc.pid]
 
     def output(self) -> str:
         """What the process logged so far (for failing tests)."""
@@ -242,8 +261,13 @@ def processes(
 ) -> Iterator[list[AppProcess]]:
     started: list[AppProcess] = []
     try:
+        # all at once, as a server's workers start: each waits for the others' imports
+        # no longer, and the store's migrations and Redis's worker numbers are taken
+        # concurrently, as they are in production
         for _ in range(count):
-            started.append(AppProcess(env, prefix).start())
+            started.append(AppProcess(env, prefix).spawn())
+        for proc in started:
+            proc.wait_ready()
         yield started
     finally:
         for proc in started:
