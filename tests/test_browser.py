@@ -812,7 +812,8 @@ def test_a_focus_chosen_before_the_config_arrives_stays_chosen(open_page, fake_m
 
 def test_the_source_picker_lists_the_mcp_servers(open_page, fake_model, fake_search):
     fake = FakeMcp()
-    with serve(fake.app()) as mcp:
+    # it stops while the page's server still holds its GET stream open: not waited for
+    with serve(fake.app(), timeout_graceful_shutdown=1) as mcp:
         servers = {
             "handbook": McpServerSettings(url=mcp.url + "/mcp", default=False),
             "always": McpServerSettings(url=mcp.url + "/mcp"),
