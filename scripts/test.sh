@@ -5,7 +5,7 @@
 # for Redis Sentinel —, PostgreSQL, nginx) or drive (Debian's Chromium, through
 # Playwright — never Playwright's own browser download), then ruff, mypy (strict,
 # on app/), the docs site (mkdocs build --strict: no broken link) and pytest.
-# Extra arguments go to pytest: scripts/test.sh -k cancel -x
+# Extra arguments go to pytest: scripts/test.sh -k cancel -x (-n 0: in one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,4 +38,6 @@ bash scripts/real_model.sh >/dev/null
 site=$(mktemp -d)  # the docs site, built where it is thrown away: a broken link fails here
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 rm -rf "$site"
-exec .venv/bin/python -m pytest "$@"
+# two workers, each running whole files (their module fixtures shared): the suite waits
+# on servers more than it computes (0.85 of a core in one process); `-n 0` for one process
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
