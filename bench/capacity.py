@@ -11,8 +11,7 @@ Streams start over `streams / --starts-per-second` seconds and last long enough
 for all of them to run together for `--steady` seconds; the latency figures are
 of the tokens sent in that window (every stream running), so that a server slow
 to start streams cannot look good by never having them all at once. One worker
-is pinned to core 0 with the load generator, the fake model, Redis and PostgreSQL
-on core 1; two
+is pinned to core 0 with the load generator and the fake model on core 1; two
 workers get both cores and share them with the load generator and the model
 (this machine has two: their CPU is reported beside the server's). The store is a
 fresh local PostgreSQL (`--store sqlite` for the embedded default; several
@@ -162,11 +161,6 @@ def main() -> None:
     rows = []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
-        if args.workers == 1 or args.bare:
-            # one worker has core 0 to itself: PostgreSQL, started from here, runs on
-            # core 1 with the load generator, the fake model and Redis (it ran where it
-            # liked, core 0 too, and took its time from the server it was measuring)
-            os.sched_setaffinity(0, {int(LOAD_CORE)})
         model = stack.enter_context(fast_model())
         redis = stack.enter_context(redis_server())
         postgres = stack.enter_context(start_postgres()) if args.store == "postgres" else ""
