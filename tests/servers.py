@@ -218,11 +218,7 @@ class AppProcess(Loopback):
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            # under a prefix (`unshare --fork`) the server is the prefix's child, and
-            # the prefix passes no signal on: the server itself is asked to stop
-            for pid in self._children() if self.prefix else [self.proc.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -230,13 +226,20 @@ class AppProcess(Loopback):
                 self.proc.wait()
         self.log_file.close()
 
-    def _children(self) -> list[int]:
+    def _signal(self, signum: int) -> None:
+        """Signals the server itself: under a prefix (`unshare --fork`) it is the prefix's
+        child, and the prefix passes no signal on."""
         assert self.proc is not None
-        try:
-            listed = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return [self.proc.pid]
-        return [int(pid) for pid in listed.split()] or [self.proc.pid]
+        if self.proc.poll() is not None:
+            return  # gone already (and its pid perhaps another's now)
+        pids = [self.proc.pid]
+        if self.prefix:
+            with contextlib.suppress(OSError):
+                children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+                pids = [int(pid) for pid in children.read_text().split()] or pids
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     def output(self) -> str:
         """What the process logged so far (for failing tests)."""
@@ -244,7 +247,7 @@ class AppProcess(Loopback):
 
     def kill(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        self._signal(signal.SIGKILL)
         self.proc.wait()
 
 
