@@ -324,3 +324,34 @@ async def test_the_embedded_engine_keeps_a_bounded_cache_and_appends_new_rows(tm
         await engine.delete_documents("d", ["d0"])  # a delete: read whole again
         assert len(await engine.nearest("d", query, 200)) == 100
         assert loads == [1, 1]
+
+
+def test_engines_opening_one_new_folder_at_once_all_open(tmp_path):
+    """Workers starting together on one collections folder: each finds the schema made
+    (and brought up to date) once, and none fails on another's half of it."""
+    import threading
+
+    from app.collections.tantivy_engine import TantivyEngine
+
+    for attempt in range(10):
+        engines = [TantivyEngine(f"tantivy:///{tmp_path}/c{attempt}") for _ in range(6)]
+        start = threading.Barrier(len(engines))
+        failures: list[BaseException] = []
+
+        def open_one(
+            engine: TantivyEngine, start: threading.Barrier, failures: list[BaseException]
+        ) -> None:
+            start.wait()
+            try:
+                engine._open()
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=open_one, args=(e, start, failures)) for e in engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert failures == []
+        for engine in engines:
+            asyncio.run(engine.close())

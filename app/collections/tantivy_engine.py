@@ -21,6 +21,7 @@ Readers see a commit at once in this process and within a moment in others.
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import sqlite3
 import threading
@@ -39,6 +40,7 @@ from .vectors import Vectors
 
 WRITER_HEAP_BYTES = 64 * 1024 * 1024
 WRITER_WAIT_SECONDS = 30.0
+OPEN_ATTEMPTS = 100  # a new file's switch to WAL is refused while another makes it
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS passages (
     space TEXT NOT NULL,
@@ -88,15 +90,7 @@ class TantivyEngine(ThreadedEngine):
     def _open(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(
-                self.folder / "passages.db", check_same_thread=False, isolation_level=None
-            )
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA busy_timeout=10000")
-            db.executescript(SCHEMA_SQL)
-            columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
-            if "removed" not in columns:
-                db.execute(ADD_REMOVED)
+            db = self._connect_and_migrate()
             reader = sqlite3.connect(
                 self.folder / "passages.db", check_same_thread=False, isolation_level=None
             )
@@ -104,6 +98,39 @@ class TantivyEngine(ThreadedEngine):
         except (OSError, sqlite3.Error) as exc:
             raise EngineError(f"the collections folder cannot be opened: {exc}") from exc
         self._db, self._reader = db, reader
+
+    def _connect_and_migrate(self) -> sqlite3.Connection:
+        """Workers may open one folder at once: the schema is brought up to date in one
+        write transaction, and the moments SQLite refuses with "locked" instead of
+        waiting (switching a new file to WAL) are retried for a few seconds."""
+        attempt = 0
+        while True:
+            attempt += 1
+            db = sqlite3.connect(
+                self.folder / "passages.db", check_same_thread=False, isolation_level=None
+            )
+            try:
+                db.execute("PRAGMA busy_timeout=10000")
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript("BEGIN IMMEDIATE;" + SCHEMA_SQL)
+                try:
+                    columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
+                    if "removed" not in columns:
+                        db.execute(ADD_REMOVED)
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                db.close()
+                if "locked" not in str(exc) or attempt == OPEN_ATTEMPTS:
+                    raise
+                time.sleep(0.02 + random.random() * 0.08)
+                continue
+            except BaseException:
+                db.close()
+                raise
+            return db
 
     async def close(self) -> None:
         with self._lock, self._loading:
