@@ -30,7 +30,7 @@ class ServerSettings:
     max_header_bytes: int = 16384
     #: a connection whose request line and headers have not all come in this long: 408
     header_timeout_seconds: float = 10.0
-    #: a request body that stops arriving for this long: the connection is closed
+    #: a request body that stops arriving for this long: 408, and the connection is closed
     body_timeout_seconds: float = 10.0
     #: connections open at once from one client address (trusted proxies excepted)
     max_connections_per_address: int = 256

@@ -14,7 +14,8 @@ front):
   request of a kept-alive one): 408, closed — this also bounds a WebSocket's
   handshake;
 * a request body that stops arriving for `body_timeout` seconds (while the server
-  reads it): closed;
+  reads it): 408 (as nginx's `client_body_timeout` answers) when no response has
+  begun, and the connection is closed;
 * more than `max_connections_per_address` connections open from one client address
   (the proxies of `trusted_proxies` excepted: every client comes through them): 503,
   closed. The count is this worker process's: with several workers, an address may
@@ -254,6 +255,12 @@ class BoundedHeaders(HttpToolsProtocol):
             # the server is not reading it yet: the client is not the slow one
             self._arm(self.body_timeout, self._body_late)
             return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            # the app, still reading, sees the client gone: what it answers is dropped
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.write(TOO_SLOW % (len(TOO_SLOW_BODY), TOO_SLOW_BODY))
         self.transport.close()
 
     # -- the parser's callbacks ----------------------------------------------------------

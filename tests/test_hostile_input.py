@@ -340,13 +340,6 @@ def dechunked(body: bytes) -> bytes:
     return out
 
 
-def claims_more_than_it_sends(length: str | None, body: bytes) -> bool:
-    """A Content-Length the parser takes that is larger than the body sent: the server
-    rightly waits for the rest (and closes at its body timeout)."""
-    text = length.strip() if length is not None else ""
-    return text.isascii() and text.isdigit() and len(body) < int(text) < 2**63
-
-
 def check_raw_answer(answer: tuple[int, dict[bytes, bytes], bytes] | None, path: str) -> None:
     """A well-formed answer: never a 500, and every refusal JSON in the protocol's shape
     (OpenAI's under /v1/, where the server's own refusals of the connection are ours)."""
@@ -426,9 +419,8 @@ def test_hostile_headers_and_query_parameters_get_well_formed_answers(
     ]
     for path, qs in posts:
         target = path.encode() + (b"?" + qs if qs else b"")
+        # one that claims more body than it sends is answered 408 at the body timeout
         answer = exchange(port, raw_request("POST", target, headers, body, length))
-        if answer is None and claims_more_than_it_sends(length, body):
-            continue
         check_raw_answer(answer, path)
     gets = [
         (

@@ -84,16 +84,23 @@ def test_a_connection_that_sends_nothing_is_closed(settings, fake_model):
         assert closed
 
 
-def test_a_body_that_stops_arriving_is_closed(settings, fake_model):
+@pytest.mark.parametrize("length", [b"1000", b"9223372036854775808"])
+def test_a_body_that_stops_arriving_is_answered_408_and_closed(settings, fake_model, length):
+    """As nginx's `client_body_timeout`: a 408 in the protocol's shape, then closed; a
+    length past `limits.max_body_bytes` too (the server drains such a body before its
+    413, and the client stopped sending it)."""
     with guarded(settings, body_timeout_seconds=1.0) as running:
         with raw(running.port) as sock:
             sock.sendall(
                 b"POST /api/chat/sse HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 1000\r\n\r\n" + b'{"type":"m'
+                b"Content-Length: %s\r\n\r\n" % length + b'{"type":"m'
             )
             started = time.monotonic()
-            closed, _ = closed_within(sock, 5)
+            closed, got = closed_within(sock, 5)
         assert closed and time.monotonic() - started < 3
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"content-type: application/json" in head
+        assert orjson.loads(body)["key"] == "BAD_REQUEST"
 
 
 def test_a_slow_body_that_keeps_coming_is_served(settings, fake_model):
