@@ -21,7 +21,6 @@ Readers see a commit at once in this process and within a moment in others.
 from __future__ import annotations
 
 import asyncio
-import random
 import shutil
 import sqlite3
 import threading
@@ -35,12 +34,12 @@ import numpy as np
 import tantivy
 
 from ..scoring import terms, top, unit_rows
+from ..store.sqlite import reopen_pause
 from .base import EngineError, Hit, Passage, ThreadedEngine, url_path
 from .vectors import Vectors
 
 WRITER_HEAP_BYTES = 64 * 1024 * 1024
 WRITER_WAIT_SECONDS = 30.0
-OPEN_ATTEMPTS = 100  # a new file's switch to WAL is refused while another makes it
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS passages (
     space TEXT NOT NULL,
@@ -101,11 +100,11 @@ class TantivyEngine(ThreadedEngine):
 
     def _connect_and_migrate(self) -> sqlite3.Connection:
         """Workers may open one folder at once: the schema is brought up to date in one
-        write transaction, and the moments SQLite refuses with "locked" instead of
-        waiting (switching a new file to WAL) are retried for a few seconds."""
+        write transaction (closing the connection rolls back one that failed), and
+        SQLite's "locked" refusals while a new file is made are retried, as the
+        SQLite store does (`reopen_pause`)."""
         attempt = 0
         while True:
-            attempt += 1
             db = sqlite3.connect(
                 self.folder / "passages.db", check_same_thread=False, isolation_level=None
             )
@@ -113,24 +112,21 @@ class TantivyEngine(ThreadedEngine):
                 db.execute("PRAGMA busy_timeout=10000")
                 db.execute("PRAGMA journal_mode=WAL")
                 db.executescript("BEGIN IMMEDIATE;" + SCHEMA_SQL)
-                try:
-                    columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
-                    if "removed" not in columns:
-                        db.execute(ADD_REMOVED)
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
+                columns = {row[1] for row in db.execute("PRAGMA table_info(versions)")}
+                if "removed" not in columns:
+                    db.execute(ADD_REMOVED)
                 db.execute("COMMIT")
+                return db
             except sqlite3.OperationalError as exc:
                 db.close()
-                if "locked" not in str(exc) or attempt == OPEN_ATTEMPTS:
+                pause = reopen_pause(exc, attempt)
+                if pause is None:
                     raise
-                time.sleep(0.02 + random.random() * 0.08)
-                continue
+                time.sleep(pause)
+                attempt += 1
             except BaseException:
                 db.close()
                 raise
-            return db
 
     async def close(self) -> None:
         with self._lock, self._loading:

@@ -85,6 +85,16 @@ ERRORS = DriverErrors(
 mapped = mapping_errors(ERRORS)
 
 
+def reopen_pause(exc: sqlite3.OperationalError, attempt: int) -> float | None:
+    """How long to wait before opening a database file again after `exc` on try
+    `attempt` (from 0), when several processes open it at once: SQLite refuses with
+    "locked" instead of waiting while another connection switches a new file to WAL.
+    None for any other error, or once `OPEN_ATTEMPTS` tries are spent."""
+    if "locked" not in str(exc) or attempt >= OPEN_ATTEMPTS - 1:
+        return None
+    return 0.02 + random.random() * 0.08
+
+
 def sqlite_path(url: str) -> str:
     """`sqlite:///data/x.db` → `data/x.db`; `sqlite:////abs/x.db` → `/abs/x.db`."""
     prefix = "sqlite:///"
@@ -143,9 +153,10 @@ class SQLiteDatabase(Database):
                 await _prepare(db)
             except sqlite3.OperationalError as exc:
                 await db.close()
-                if "locked" not in str(exc) or attempt == OPEN_ATTEMPTS - 1:
+                pause = reopen_pause(exc, attempt)
+                if pause is None:
                     raise
-                await asyncio.sleep(0.02 + random.random() * 0.08)
+                await asyncio.sleep(pause)
                 continue
             except BaseException:
                 await db.close()
