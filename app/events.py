@@ -37,6 +37,7 @@ FocusModeName = Literal[
     "redditSearch",
     "wolframAlphaSearch",
 ]
+EVENT_TYPES: Final[tuple[str, ...]] = get_args(EventType)
 FOCUS_MODES: Final[tuple[str, ...]] = get_args(FocusModeName)
 TERMINAL: Final = frozenset({"messageEnd", "error"})
 

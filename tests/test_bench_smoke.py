@@ -127,3 +127,13 @@ async def test_the_checkpoint_bench_keeps_the_whole_answer_either_way(tmp_path):
     for mode in ("whole", "added"):
         row = await run(url, mode, args, None)
         assert row["mode"] == mode and row["chars_at_end"] > 40
+
+
+async def test_the_collector_bench_pushes_every_token_to_its_reader():
+    """`bench.collector` writes its answers through the server's own log, each token
+    pushed to a caught-up reader."""
+    from bench.collector import fill
+
+    logs, per_token = await fill(3, 5)
+    assert [len(log.events) for log in logs] == [5, 5, 5] and per_token > 0
+    assert [e.data["data"] for e in logs[0].events] == [f" token{n}" for n in range(5)]

@@ -5,6 +5,7 @@ takes the events at once, refuses some, stops reading for a while or resumes."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ from httpx_ws import aconnect_ws
 
 from app.events import Event, Handle
 from app.main import create_app
-from app.streams import GenerationLog
+from app.streams import GenerationLog, LogWriter
 from tests.client import SseEvent, chat_body, iter_sse, read_events, rest
 from tests.conftest import USER
 from tests.servers import serve
@@ -281,3 +282,50 @@ async def test_a_websocket_client_that_stops_reading_gets_every_frame_in_order(
     assert numbered == list(range(1, len(numbered) + 1))
     assert len("".join(f["data"] for f in frames if f["type"] == "message")) == 300 * 20000
     assert frames[-1]["type"] == "messageEnd"
+
+
+def test_a_logs_events_read_back_as_they_were_written():
+    log = GenerationLog(handle(), sink=lambda log, event: None)  # released by hand
+    writer = LogWriter(log)
+    writer.emit("message", data="a")
+    writer.emit("sources", data=[{"title": "t"}])
+    writer.emit("message", data="b")
+    events = log.events
+    assert [(e.type, e.seq, e.data) for e in events] == [
+        ("message", 1, {"data": "a"}),
+        ("sources", 2, {"data": [{"title": "t"}]}),
+        ("message", 3, {"data": "b"}),
+    ]
+    assert (events[-1].seq, events[0].chat_id, events[0].message_id) == (3, "1", "100")
+    assert [e.seq for e in events[1:]] == [2, 3] and events[2:1] == [] and events[::2][1].seq == 3
+    with pytest.raises(IndexError):
+        events[3]
+    writer.emit("message", data="\ud800")  # JSON cannot hold a lone surrogate
+    writer.emit("custom", data=("a", 1))  # a type the protocol does not know
+    writer.emit("progress", data="step")
+    assert [(e.type, e.data) for e in log.events[3:]] == [
+        ("message", {"data": "\ud800"}),
+        ("custom", {"data": ("a", 1)}),
+        ("progress", {"data": "step"}),
+    ]
+    assert [e.seq for e in log.events.of_type("message")] == [1, 3, 4]
+    assert [e.seq for e in log.events.of_type("custom", 2)] == [5]
+    log.release(4)
+    log.fail(Event("error", "1", "100", {"key": "INTERNAL", "data": "x"}, 5))
+    assert [e.type for e in log.events] == ["message", "sources", "message", "message", "error"]
+    assert [e.seq for e in log.events] == [1, 2, 3, 4, 5] and log.events.terminal(4)
+
+
+def test_a_logs_tokens_leave_the_collector_nothing_to_scan():
+    """Kept one per token for replay, tracked objects made every collection scan every
+    token of every running answer."""
+    log = GenerationLog(handle())
+    writer = LogWriter(log)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(10_000):
+        writer.emit("message", data=str(i))
+    assert len(gc.get_objects()) - before < 100
+    # nor does what the log holds refer to an object per token that a collection visits
+    assert len(gc.get_referents(*gc.get_referents(log.events))) < 100
+    assert [e.data["data"] for e in log.events[-2:]] == ["9998", "9999"]

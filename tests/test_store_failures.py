@@ -733,8 +733,9 @@ def test_a_running_answers_progress_reads_only_what_was_added():
     joining everything written so far, at every step."""
     from app.chat.keeper import Progress, steps_of
     from app.events import Event
+    from app.streams import LoggedEvents
 
-    progress, content, reasoning, events = Progress(), [], [], []
+    progress, content, reasoning, events = Progress(), [], [], LoggedEvents("c", "a")
     for i in range(6):
         content.append(f"tok{i} ")
         if i % 2:

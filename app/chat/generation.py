@@ -324,7 +324,7 @@ class Generation:
             rewritten=self.rewritten,
             sources=self._prompt.unsaved_sources,
             usage=usage,
-            steps=steps_of(self.out.log.events),
+            steps=steps_of(self.out.log.events.of_type("progress")),
             truncated=self.truncated and error is None,
             error={"key": error.key, "data": error.message} if error is not None else None,
         )

@@ -37,7 +37,7 @@ from ..cleaning import clean
 from ..errors import AppError, Unavailable
 from ..events import Event
 from ..store import Checkpoint, Saved, Store, StoredMessage
-from ..streams import StreamHub
+from ..streams import LoggedEvents, StreamHub
 
 log = logging.getLogger("app.keeper")
 
@@ -516,7 +516,7 @@ class Progress:
         self._content = self._reasoning = self._events = 0  # how many were read
 
     def update(
-        self, content: Sequence[str], reasoning: Sequence[str], events: Sequence[Event]
+        self, content: Sequence[str], reasoning: Sequence[str], events: LoggedEvents
     ) -> None:
         """Take in what was appended to these (append-only) sequences since last time."""
         if len(content) > self._content:
@@ -526,5 +526,5 @@ class Progress:
             self.reasoning += "".join(reasoning[self._reasoning :])
             self._reasoning = len(reasoning)
         if len(events) > self._events:
-            self.steps.extend(steps_of(events[self._events :]))
+            self.steps.extend(steps_of(events.of_type("progress", self._events)))
             self._events = len(events)

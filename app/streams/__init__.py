@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..events import Handle
-from .base import GenerationLog, LocalRegistry, LogWriter, Push, StreamHub
+from .base import GenerationLog, LocalRegistry, LoggedEvents, LogWriter, Push, StreamHub
 from .connect import close_redis, open_redis
 
 
@@ -40,6 +40,7 @@ __all__ = [
     "GenerationLog",
     "Handle",
     "LocalRegistry",
+    "LoggedEvents",
     "LogWriter",
     "Push",
     "StreamHub",

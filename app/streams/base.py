@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from array import array
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, overload
+
+from orjson import dumps, loads
 
 from ..errors import Conflict, RateLimited
-from ..events import Event, Handle
+from ..events import EVENT_TYPES, TERMINAL, Event, Handle
 
 #: called with each numbered event a log receives (the Redis backend queues it, and
 #: releases it to readers once Redis has acknowledged the write that holds it)
@@ -31,6 +34,111 @@ Sink = Callable[["GenerationLog", Event], None]
 #: a reader's way to take a batch of released events now, in the call that released
 #: them: True when it took all of them, False (nothing taken) when it cannot now
 Push = Callable[[list[Event]], bool]
+
+
+class LoggedEvents(Sequence[Event]):
+    """A log's numbered events, kept as bytes and numbers: each one's type (a code),
+    time, and data as JSON in one buffer; its seq is its place (`events[i].seq ==
+    i + 1`). An `Event` read from it is made then.
+
+    Kept one per token for replay, `Event`s were objects the collector tracks, and
+    their data dicts and times objects every collection that reached them visited:
+    at 1,000 streams every young collection scanned the tokens written since the
+    last one, and the older ones all of them, the event loop stopped meanwhile. A
+    buffer and arrays hold no objects, so the collector never sees the tokens, and
+    each costs about 30 bytes here instead of 300. The last event appended is kept as
+    it came: a reader that has caught up is handed that one. An event whose type is
+    not one of the protocol's, or whose data JSON cannot hold, is kept as it came."""
+
+    __slots__ = ("chat_id", "message_id", "types", "times", "ends", "blob", "odd", "last")
+
+    def __init__(self, chat_id: str, message_id: str) -> None:
+        self.chat_id = chat_id
+        self.message_id = message_id
+        self.types = bytearray()  # a code per event: its place in EVENT_TYPES, or _ODD
+        self.times = array("d")
+        self.ends = array("Q")  # where each event's data ends in `blob`
+        self.blob = bytearray()
+        self.odd: dict[int, Event] = {}
+        self.last: Event | None = None
+
+    def append(self, event: Event) -> None:
+        code = _CODES.get(event.type, _ODD)
+        if code != _ODD:
+            try:
+                self.blob += dumps(event.data)
+            except TypeError:  # orjson's: a lone surrogate, a value it does not know
+                code = _ODD
+        if code == _ODD:
+            self.odd[len(self.types)] = event
+        self.types.append(code)
+        self.times.append(event.ts)
+        self.ends.append(len(self.blob))
+        self.last = event
+
+    def between(self, start: int, stop: int) -> list[Event]:
+        """`self[start:stop]` for 0 <= start <= stop <= len(self): the push path's."""
+        last = self.last
+        if last is not None and start + 1 == stop == last.seq:
+            return [last]
+        return [self._make(i) for i in range(start, stop)]
+
+    def terminal(self, index: int) -> bool:
+        """Whether the event at `index` is a terminal one."""
+        code = self.types[index]
+        return code in _TERMINAL or (code == _ODD and self.odd[index].terminal)
+
+    def of_type(self, type: str, start: int = 0) -> list[Event]:
+        """The events of one type from index `start` on (only those are made)."""
+        found = [i for i, e in self.odd.items() if i >= start and e.type == type]
+        code = _CODES.get(type, _ODD)
+        if code != _ODD:
+            types = self.types
+            index = types.find(code, start)
+            while index != -1:
+                found.append(index)
+                index = types.find(code, index + 1)
+        return [self._make(i) for i in sorted(found)]
+
+    def cut(self, size: int) -> None:
+        """Keep only the first `size` events."""
+        del self.types[size:], self.times[size:], self.ends[size:]
+        del self.blob[self.ends[-1] if size else 0 :]
+        self.odd = {i: e for i, e in self.odd.items() if i < size}
+        self.last = None
+
+    def _make(self, i: int) -> Event:
+        if self.types[i] == _ODD:
+            return self.odd[i]
+        data = loads(self.blob[self.ends[i - 1] if i else 0 : self.ends[i]])
+        return Event(
+            EVENT_TYPES[self.types[i]], self.chat_id, self.message_id, data, i + 1, self.times[i]
+        )
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    @overload
+    def __getitem__(self, index: int) -> Event: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Event]: ...
+
+    def __getitem__(self, index: int | slice) -> Event | list[Event]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self.types))
+            if step == 1:
+                return self.between(start, max(start, stop))
+            return [self._make(i) for i in range(start, stop, step)]
+        return self._make(range(len(self.types))[index])  # IndexError as a list's
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.between(0, len(self.types)))
+
+
+_CODES: Final = {name: code for code, name in enumerate(EVENT_TYPES)}
+_TERMINAL: Final = frozenset(_CODES[name] for name in TERMINAL)
+_ODD: Final = 255
 
 
 class GenerationLog:
@@ -57,7 +165,7 @@ class GenerationLog:
 
     def __init__(self, handle: Handle, sink: Sink | None = None) -> None:
         self.handle = handle
-        self.events: list[Event] = []
+        self.events = LoggedEvents(handle.chat_id, handle.answer_id)
         self.durable = 0
         self.keepalives = 0
         self.finished = False
@@ -101,7 +209,7 @@ class GenerationLog:
         """End the log with `error` (numbered right after the last released event)
         in place of what was not released yet: readers get what they were shown,
         then `error`. What the generation appends afterwards is dropped."""
-        del self.events[self.durable :]
+        self.events.cut(self.durable)
         self.events.append(error)
         self._add = _dropped
         self._sink = None
@@ -113,7 +221,7 @@ class GenerationLog:
     @property
     def shown(self) -> list[Event]:
         """The events readers may see (all of them, once it has ended)."""
-        return self.events[: self.durable]
+        return self.events.between(0, self.durable)
 
     def _wake(self) -> None:
         if self._pushed:
@@ -142,7 +250,7 @@ class GenerationLog:
         for reader in self._pushed[:]:
             position = reader.position
             if position < durable:
-                batch = events[position:durable]
+                batch = events.between(position, durable)
                 if not reader.offer(batch):
                     self._detach(reader)
                     continue
@@ -163,8 +271,8 @@ class GenerationLog:
 
     def _keepalive(self) -> Event:
         durable, h = self.durable, self.handle
-        last = self.events[durable - 1] if durable else None
-        return Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=last.ts if last else 0.0)
+        ts = self.events.times[durable - 1] if durable else 0.0
+        return Event("keep-alive", h.chat_id, h.answer_id, seq=0, ts=ts)
 
     async def follow(self, after_seq: int, push: Push | None = None) -> AsyncIterator[list[Event]]:
         """Batches of released events after `after_seq`, live, until the terminal one.
@@ -181,7 +289,7 @@ class GenerationLog:
         while True:
             durable = self.durable
             if position < durable:
-                batch = events[position:durable]
+                batch = events.between(position, durable)
                 position = durable
                 yield batch
                 if batch[-1].terminal:
@@ -204,7 +312,7 @@ class GenerationLog:
                 if reader in self._pushed:
                     self._pushed.remove(reader)
             position, seen_keepalives = reader.position, reader.keepalives
-            if position and events[position - 1].terminal:
+            if position and events.terminal(position - 1):
                 return
 
 
@@ -245,10 +353,9 @@ class LogWriter:
         self.message_id = log.handle.answer_id
         self.seq = 0
 
-    def emit(self, type: str, **data: Any) -> Event:
-        event = self.next(type, **data)
-        self.log.append(event)
-        return event
+    def emit(self, type: str, **data: Any) -> None:
+        self.seq += 1
+        self.log.append(Event(type, self.chat_id, self.message_id, data, self.seq))
 
     def next(self, type: str, **data: Any) -> Event:
         """The next numbered event, not yet appended (the terminal one goes through
