@@ -9,7 +9,8 @@ settings (`app.main.tune_gc`).
 Prints the objects the collector tracks beyond those before the answers started;
 the collections that writing the tokens set off (each one a pause of the event
 loop in the server), their number, total and longest; a full collection's time
-afterwards; and the time a token's write and push took.
+afterwards; the time a token's write and push took; and the memory the process
+grew by, a token.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from app.events import Handle
@@ -72,18 +75,26 @@ class Pauses:
             self.times.append((time.perf_counter() - self._start) * 1000)
 
 
+def resident() -> int:
+    """This process's resident memory, in bytes."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--answers", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=400)
     args = parser.parse_args()
     tune_gc()
+    rss = resident()
     before = len(gc.get_objects())
     pauses = Pauses()
     gc.callbacks.append(pauses)
     logs, per_token = asyncio.run(fill(args.answers, args.tokens))
     gc.callbacks.remove(pauses)
     tracked = len(gc.get_objects()) - before
+    grown = (resident() - rss) / (args.answers * args.tokens)
     started = time.perf_counter()
     gc.collect()
     full = (time.perf_counter() - started) * 1000
@@ -92,7 +103,7 @@ def main() -> None:
         f"{args.answers} answers × {args.tokens} tokens: {tracked:,} objects tracked;"
         f" {len(times)} collections while writing, {sum(times):.0f} ms in all,"
         f" the longest {max(times, default=0):.1f} ms; a full collection then {full:.1f} ms;"
-        f" write and push {per_token:.2f} µs a token"
+        f" write and push {per_token:.2f} µs a token; {grown:.0f} bytes a token"
     )
     del logs
 

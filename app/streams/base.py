@@ -46,46 +46,57 @@ class LoggedEvents(Sequence[Event]):
     at 1,000 streams every young collection scanned the tokens written since the
     last one, and the older ones all of them, the event loop stopped meanwhile. A
     buffer and arrays hold no objects, so the collector never sees the tokens, and
-    each costs about 30 bytes here instead of 300. The last event appended is kept as
-    it came: a reader that has caught up is handed that one. An event whose type is
-    not one of the protocol's, or whose data JSON cannot hold, is kept as it came."""
+    each costs about 50 bytes here instead of 330. The events readers have not been
+    handed yet (`tail`) are kept as they came too, for the readers that have caught up
+    to be handed those. An event whose type is not one of the protocol's, or whose
+    data JSON cannot hold, is kept as it came."""
 
-    __slots__ = ("chat_id", "message_id", "types", "times", "ends", "blob", "odd", "last")
+    __slots__ = ("chat_id", "message_id", "spans", "times", "blob", "odd", "tail", "settled")
 
     def __init__(self, chat_id: str, message_id: str) -> None:
         self.chat_id = chat_id
         self.message_id = message_id
-        self.types = bytearray()  # a code per event: its place in EVENT_TYPES, or _ODD
+        #: per event, where its data ends in `blob` (shifted left 8 bits) and the code
+        #: of its type in the low 8 bits: its place in EVENT_TYPES, or _ODD
+        self.spans = array("Q")
         self.times = array("d")
-        self.ends = array("Q")  # where each event's data ends in `blob`
         self.blob = bytearray()
         self.odd: dict[int, Event] = {}
-        self.last: Event | None = None
+        #: the events from index `settled` on, as they came (see `settle`)
+        self.tail: list[Event] = []
+        self.settled = 0
 
     def append(self, event: Event) -> None:
         code = _CODES.get(event.type, _ODD)
+        blob = self.blob
         if code != _ODD:
             try:
-                self.blob += dumps(event.data)
+                blob += dumps(event.data)
             except TypeError:  # orjson's: a lone surrogate, a value it does not know
                 code = _ODD
         if code == _ODD:
-            self.odd[len(self.types)] = event
-        self.types.append(code)
+            self.odd[len(self.spans)] = event
+        self.spans.append(len(blob) << 8 | code)
         self.times.append(event.ts)
-        self.ends.append(len(self.blob))
-        self.last = event
+        self.tail.append(event)
+
+    def settle(self, upto: int) -> None:
+        """The events before index `upto` have been handed to the readers that were
+        caught up: they need not be kept as objects any more."""
+        if upto > self.settled:
+            del self.tail[: upto - self.settled]
+            self.settled = upto
 
     def between(self, start: int, stop: int) -> list[Event]:
         """`self[start:stop]` for 0 <= start <= stop <= len(self): the push path's."""
-        last = self.last
-        if last is not None and start + 1 == stop == last.seq:
-            return [last]
+        settled = self.settled
+        if start >= settled:
+            return self.tail[start - settled : stop - settled]
         return [self._make(i) for i in range(start, stop)]
 
     def terminal(self, index: int) -> bool:
         """Whether the event at `index` is a terminal one."""
-        code = self.types[index]
+        code = self.spans[index] & 255
         return code in _TERMINAL or (code == _ODD and self.odd[index].terminal)
 
     def of_type(self, type: str, start: int = 0) -> list[Event]:
@@ -93,30 +104,31 @@ class LoggedEvents(Sequence[Event]):
         found = [i for i, e in self.odd.items() if i >= start and e.type == type]
         code = _CODES.get(type, _ODD)
         if code != _ODD:
-            types = self.types
-            index = types.find(code, start)
-            while index != -1:
-                found.append(index)
-                index = types.find(code, index + 1)
+            spans = self.spans
+            found.extend(i for i in range(start, len(spans)) if spans[i] & 255 == code)
         return [self._make(i) for i in sorted(found)]
 
     def cut(self, size: int) -> None:
         """Keep only the first `size` events."""
-        del self.types[size:], self.times[size:], self.ends[size:]
-        del self.blob[self.ends[-1] if size else 0 :]
+        del self.spans[size:], self.times[size:]
+        del self.blob[self.spans[-1] >> 8 if size else 0 :]
         self.odd = {i: e for i, e in self.odd.items() if i < size}
-        self.last = None
+        if size < self.settled:
+            self.tail, self.settled = [], size
+        else:
+            del self.tail[size - self.settled :]
 
     def _make(self, i: int) -> Event:
-        if self.types[i] == _ODD:
+        span = self.spans[i]
+        if span & 255 == _ODD:
             return self.odd[i]
-        data = loads(self.blob[self.ends[i - 1] if i else 0 : self.ends[i]])
+        data = loads(self.blob[self.spans[i - 1] >> 8 if i else 0 : span >> 8])
         return Event(
-            EVENT_TYPES[self.types[i]], self.chat_id, self.message_id, data, i + 1, self.times[i]
+            EVENT_TYPES[span & 255], self.chat_id, self.message_id, data, i + 1, self.times[i]
         )
 
     def __len__(self) -> int:
-        return len(self.types)
+        return len(self.spans)
 
     @overload
     def __getitem__(self, index: int) -> Event: ...
@@ -126,14 +138,14 @@ class LoggedEvents(Sequence[Event]):
 
     def __getitem__(self, index: int | slice) -> Event | list[Event]:
         if isinstance(index, slice):
-            start, stop, step = index.indices(len(self.types))
+            start, stop, step = index.indices(len(self.spans))
             if step == 1:
                 return self.between(start, max(start, stop))
             return [self._make(i) for i in range(start, stop, step)]
-        return self._make(range(len(self.types))[index])  # IndexError as a list's
+        return self._make(range(len(self.spans))[index])  # IndexError as a list's
 
     def __iter__(self) -> Iterator[Event]:
-        return iter(self.between(0, len(self.types)))
+        return iter(self.between(0, len(self.spans)))
 
 
 _CODES: Final = {name: code for code, name in enumerate(EVENT_TYPES)}
@@ -183,9 +195,14 @@ class GenerationLog:
             if self._sink is not None:
                 self._sink(self, event)
                 return
-            self.durable = len(self.events)
-        else:
-            self.keepalives += 1
+            events = self.events
+            self.durable = durable = len(events.spans)
+            if self._waiters or self._pushed:
+                self._wake()
+            del events.tail[: durable - events.settled]  # `settle`, inline: once a token
+            events.settled = durable
+            return
+        self.keepalives += 1
         if self._waiters or self._pushed:
             self._wake()
 
@@ -195,6 +212,7 @@ class GenerationLog:
             self.durable = min(upto, len(self.events))
             if self._waiters or self._pushed:
                 self._wake()
+            self.events.settle(self.durable)
 
     def end(self, terminal: Event) -> None:
         """Append the terminal event, and release every event (the hub made them
@@ -204,6 +222,7 @@ class GenerationLog:
         self.finished = True
         if self._waiters or self._pushed:
             self._wake()
+        self.events.settle(self.durable)
 
     def fail(self, error: Event) -> None:
         """End the log with `error` (numbered right after the last released event)
@@ -217,6 +236,7 @@ class GenerationLog:
         self.finished = True
         if self._waiters or self._pushed:
             self._wake()
+        self.events.settle(self.durable)
 
     @property
     def shown(self) -> list[Event]:
