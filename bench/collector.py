@@ -20,12 +20,12 @@ import asyncio
 import gc
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from app.events import Handle
 from app.main import tune_gc
 from app.streams import GenerationLog, LogWriter
+from bench.run import rss_kb
 
 
 async def fill(answers: int, tokens: int) -> tuple[list[GenerationLog], float]:
@@ -75,26 +75,20 @@ class Pauses:
             self.times.append((time.perf_counter() - self._start) * 1000)
 
 
-def resident() -> int:
-    """This process's resident memory, in bytes."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--answers", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=400)
     args = parser.parse_args()
     tune_gc()
-    rss = resident()
+    rss = rss_kb(os.getpid())
     before = len(gc.get_objects())
     pauses = Pauses()
     gc.callbacks.append(pauses)
     logs, per_token = asyncio.run(fill(args.answers, args.tokens))
     gc.callbacks.remove(pauses)
     tracked = len(gc.get_objects()) - before
-    grown = (resident() - rss) / (args.answers * args.tokens)
+    grown = (rss_kb(os.getpid()) - rss) * 1024 / (args.answers * args.tokens)
     started = time.perf_counter()
     gc.collect()
     full = (time.perf_counter() - started) * 1000

@@ -109,16 +109,14 @@ class LoggedEvents(Sequence[Event]):
         return [self._make(i) for i in sorted(found)]
 
     def cut(self, size: int) -> None:
-        """Keep only the first `size` events."""
-        del self.spans[size:], self.times[size:]
+        """Keep only the first `size` events: never fewer than readers were handed."""
+        del self.spans[size:], self.times[size:], self.tail[size - self.settled :]
         del self.blob[self.spans[-1] >> 8 if size else 0 :]
         self.odd = {i: e for i, e in self.odd.items() if i < size}
-        if size < self.settled:
-            self.tail, self.settled = [], size
-        else:
-            del self.tail[size - self.settled :]
 
     def _make(self, i: int) -> Event:
+        if i >= self.settled:
+            return self.tail[i - self.settled]
         span = self.spans[i]
         if span & 255 == _ODD:
             return self.odd[i]
