@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from redis.asyncio import SSLConnection
 from redis.exceptions import RedisError
@@ -20,7 +21,7 @@ from app.streams.beat import Beat, Heartbeat
 from app.streams.claims import CLAIMED, RECOVERING, TAKEN, Claims
 from app.streams.connect import BLOCKING_CONNECTIONS, blocking_client, cluster_client, shed_idle
 from app.streams.follower import follow
-from app.streams.journal import Journal
+from app.streams.journal import Journal, LogWrite
 from app.streams.recovery import Recovery
 from app.streams.redis import RedisHub
 from tests.client import wait_for
@@ -30,6 +31,11 @@ pytestmark = pytest.mark.anyio
 
 def event(answer: str, seq: int, kind: str = "message") -> Event:
     return Event(kind, "c" + answer, answer, {"data": str(seq)}, seq)
+
+
+def logged(write: LogWrite) -> list[int]:
+    """The seqs of what a commit writes to an answer's log."""
+    return [seq for seq, *_ in orjson.loads(write.dump())]
 
 
 def test_the_journal_writes_every_generation_in_one_entry_and_logs_when_due():
@@ -46,7 +52,7 @@ def test_the_journal_writes_every_generation_in_one_entry_and_logs_when_due():
     journal.queue("a", event("a", 3))
     plan = journal.plan(now=2.5)  # both logs due: what the journal held, and what is new
     assert plan is not None and not plan.journal
-    assert {w.answer_id: [e.seq for e in w.events] for w in plan.logs} == {
+    assert {w.answer_id: logged(w) for w in plan.logs} == {
         "a": [1, 2, 3],
         "b": [1, 2],
     }
@@ -84,7 +90,7 @@ def test_a_followed_generation_goes_to_its_log_at_every_commit():
     assert journal.watch("a", until=6.0)  # its journal part must reach its log now
     plan = journal.plan(now=0.1)
     assert plan is not None and [w.answer_id for w in plan.logs] == ["a"]
-    assert [e.seq for e in plan.logs[0].events] == [1]
+    assert logged(plan.logs[0]) == [1]
     journal.written(plan, None, now=0.1)
     journal.queue("a", event("a", 2))
     plan = journal.plan(now=0.2)
@@ -114,7 +120,33 @@ def test_an_end_is_written_to_its_log_with_the_replay_expiry():
     journal.queue("a", event("a", 2, "messageEnd"))
     plan = journal.plan(now=0.1, only="a")
     assert plan is not None and plan.logs[0].expire == "replay"
-    assert [e.seq for e in plan.logs[0].events] == [1, 2] and not plan.journal
+    assert logged(plan.logs[0]) == [1, 2] and not plan.journal
+
+
+def test_what_waits_for_its_log_is_kept_as_the_journal_wrote_it():
+    journal = Journal(checkpoint=2.0)
+    first = [Event("message", "ca", "a", {"data": f"é{seq}\u2028"}, seq) for seq in (1, 2)]
+    for e in first:
+        journal.queue("a", e)
+    plan = journal.plan(now=0.0)
+    assert plan is not None
+    fields = plan.encode()
+    assert fields == {"a": keys.dump_events(first)}
+    journal.written(plan, (1, 0), now=0.0)
+    # kept as the entry's bytes, encoded once: no event objects wait for the log
+    assert journal.unlogged == {"a": [fields["a"]]}
+    second = [event("a", 3)]
+    journal.queue("a", second[0])
+    plan = journal.plan(now=0.5)
+    assert plan is not None and not plan.logs
+    journal.written(plan, (2, 0), now=0.5)
+    assert all(isinstance(part, bytes) for part in journal.unlogged["a"])
+    journal.queue("a", event("a", 4, "messageEnd"))
+    plan = journal.plan(now=0.6, only="a")
+    assert plan is not None and [w.answer_id for w in plan.logs] == ["a"]
+    every = [*first, *second, *plan.pending["a"]]
+    assert plan.logs[0].dump() == keys.dump_events(every)  # as if encoded in one go
+    assert plan.logs[0].ended and plan.logs[0].expire == "replay"
 
 
 HEART = Heartbeat("p1", False, handle_ttl_ms=4000, proc_ttl_ms=8000, keep_ms=60_000, refresh=1.0)

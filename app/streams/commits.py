@@ -200,7 +200,7 @@ class Committer:
         async with self.redis.pipeline(transaction=False) as pipe:
             for write in plan.logs:
                 key = k.log(write.answer_id)
-                pipe.xadd(key, {"e": k.dump_events(write.events)}, maxlen=LOG_CAP, approximate=True)
+                pipe.xadd(key, {"e": write.dump()}, maxlen=LOG_CAP, approximate=True)
                 if write.expire == "replay":  # kept for replay from now on
                     pipe.pexpire(key, self.replay_ttl_ms)
                     ending = self.ending.get(write.answer_id)
@@ -215,7 +215,7 @@ class Committer:
                 return None
             at = len(pipe)
             journal = k.journal(self.token)
-            fields = {answer_id: k.dump_events(batch) for answer_id, batch in plan.journal.items()}
+            fields = plan.encode()
             if plan.trim is not None:  # trimmed exactly: a handful of entries at a time
                 pipe.xadd(journal, fields, minid=k.entry_id(plan.trim), approximate=False)
             else:

@@ -10,6 +10,11 @@ went to the journal waits in `unlogged` until its log is written; the journal
 is trimmed to what the logs do not hold yet, one commit after they are known
 to hold it (on a Redis Cluster the log and the journal are on different nodes,
 so the trim must not overtake the log write).
+
+What waits for its log is kept as the JSON the journal entry was given, not as
+events: each event is encoded once, and the thousands of tokens a busy process
+holds for up to a checkpoint are a few byte strings, which the collector never
+scans.
 """
 
 from __future__ import annotations
@@ -17,14 +22,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..events import Event
+from .rediskeys import dump_events
 
 
 @dataclass
 class LogWrite:
+    """One entry of an answer's log: what went to the journal for it (`journaled`,
+    as encoded there), then its `events` not written anywhere yet."""
+
     answer_id: str
+    journaled: list[bytes]
     events: list[Event]
     #: the log's expiry to set: "replay" (it ended), "running" (its first write), or ""
     expire: str
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.events) and self.events[-1].terminal
+
+    def dump(self) -> bytes:
+        """The entry's JSON: the events of every part, in order, as one array."""
+        if not self.journaled:
+            return dump_events(self.events)
+        parts = [part[1:-1] for part in self.journaled]  # each a non-empty JSON array
+        if self.events:
+            parts.append(dump_events(self.events)[1:-1])
+        return b"[" + b",".join(parts) + b"]"
 
 
 @dataclass
@@ -35,11 +58,20 @@ class Plan:
     pending: dict[str, list[Event]]
     logs: list[LogWrite] = field(default_factory=list)
     journal: dict[str, list[Event]] = field(default_factory=dict)
+    #: `journal` as the entry's fields hold it (`encode`)
+    fields: dict[str, bytes] = field(default_factory=dict)
     trim: tuple[int, int] | None = None
     #: the journal is new: give it its expiry (the heartbeat keeps it from then on)
     expire_journal: bool = False
     #: the generations whose claim the commit ends too (filled in by the writer)
     ended: list[str] = field(default_factory=list)
+
+    def encode(self) -> dict[str, bytes]:
+        """The journal entry's fields: each generation's events as JSON, encoded once
+        (raises what encoding them raises)."""
+        if len(self.fields) != len(self.journal):
+            self.fields = {a: dump_events(batch) for a, batch in self.journal.items()}
+        return self.fields
 
 
 class Journal:
@@ -49,9 +81,9 @@ class Journal:
     def __init__(self, checkpoint: float) -> None:
         self.checkpoint = checkpoint
         self.pending: dict[str, list[Event]] = {}
-        #: in the journal, not yet in their log; when the first of them went there,
-        #: with that entry's id (what trims the journal)
-        self.unlogged: dict[str, list[Event]] = {}
+        #: in the journal, not yet in their log, as encoded there; when the first of
+        #: them went there, with that entry's id (what trims the journal)
+        self.unlogged: dict[str, list[bytes]] = {}
         #: in the order they went there, so oldest first (and their entry ids rising):
         #: a commit finds the due logs and the trim without reading every generation's
         self.unlogged_since: dict[str, tuple[float, tuple[int, int]]] = {}
@@ -116,14 +148,17 @@ class Journal:
             return None
         plan = Plan(pending)
         for answer_id in due:
-            batch = self.unlogged.get(answer_id, []) + pending.get(answer_id, [])
-            if batch[-1].terminal:
+            write = LogWrite(
+                answer_id, list(self.unlogged.get(answer_id, ())), pending.get(answer_id, []), ""
+            )
+            if write.ended:
                 expire = "replay"
             elif answer_id not in self.logged:
                 expire = "running"
             else:
                 expire = ""
-            plan.logs.append(LogWrite(answer_id, batch, expire))
+            write.expire = expire
+            plan.logs.append(write)
         plan.journal = {a: batch for a, batch in pending.items() if a not in due}
         if plan.journal:
             # what every log holds by now, as acknowledged by earlier commits (the
@@ -142,12 +177,13 @@ class Journal:
             self.pending.setdefault(answer_id, [])[:0] = batch
 
     def written(self, plan: Plan, entry: tuple[int, int] | None, now: float) -> None:
-        """Redis acknowledged the commit; `entry` is the id of its journal entry."""
+        """Redis acknowledged the commit; `entry` is the id of its journal entry (whose
+        fields the plan encoded)."""
         for write in plan.logs:
             self.unlogged.pop(write.answer_id, None)
             self.unlogged_since.pop(write.answer_id, None)
             self._catch_up.discard(write.answer_id)
-            if write.events[-1].terminal:
+            if write.ended:
                 self.logged.discard(write.answer_id)
                 self.watched.pop(write.answer_id, None)
             else:
@@ -155,13 +191,13 @@ class Journal:
         if entry is None:
             return
         self.last_entry = entry
-        for answer_id, batch in plan.journal.items():
+        for answer_id, part in plan.encode().items():
             unlogged = self.unlogged.get(answer_id)
             if unlogged is None:
-                self.unlogged[answer_id] = list(batch)
+                self.unlogged[answer_id] = [part]
                 self.unlogged_since[answer_id] = (now, entry)
             else:
-                unlogged.extend(batch)
+                unlogged.append(part)
 
     def rewritten(self, answer_id: str, last: int, running: bool) -> None:
         """The whole log of `answer_id` was written again, up to seq `last` (Redis lost
