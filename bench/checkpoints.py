@@ -58,7 +58,9 @@ async def run(url: str, mode: str, args: argparse.Namespace, store_pid: int | No
                 if mode == "whole":
                     batch.append(Checkpoint(answer_id, before + added, "", []))
                 else:
-                    batch.append(Checkpoint(answer_id, added, "", [], content_from=len(before)))
+                    batch.append(  # as the keeper sends it: the steps once, then when they change
+                        Checkpoint(answer_id, added, "", [], len(before), steps_changed=not round_)
+                    )
             store0 = sum(cpu_split(store_pid)) if store_pid else 0.0
             cpu0 = time.process_time()
             if mode == "whole":  # what every checkpoint did before: cleaned, then sent

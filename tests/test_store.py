@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.errors import Conflict, Forbidden, NotFound, Unavailable
-from app.store import Chat, Saved, StoredMessage, StoredResponse, open_store
+from app.store import Chat, Checkpoint, Saved, StoredMessage, StoredResponse, open_store
 from app.store.postgres import MIGRATIONS as PG_MIGRATIONS
 from app.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
 from tests.conftest import asyncio_run_in_thread
@@ -136,6 +136,39 @@ async def test_streaming_answers_are_found_for_the_sweeper(store):
     await store.finish_answer("a2", Saved("done", "", "completed"))
     assert [m.id for m in await store.streaming_answers(created_before=15.0)] == ["a1"]
     assert [m.id for m in await store.streaming_answers(created_before=5.0)] == []
+
+
+async def test_checkpoints_add_parts_that_reads_fold_in_and_the_end_makes_whole(store):
+    await ask(store, "c1", "q1", "a1", 10.0)
+    await ask(store, "c2", "q2", "a2", 11.0)
+    await store.checkpoint_answers(
+        [Checkpoint("a1", "Hello ", "hm", ["searching"]), Checkpoint("a2", "Hi", "", [])]
+    )
+    more = Checkpoint("a1", "wörld", " ok", ["searching"], 6, 2, steps_changed=False)
+    await store.checkpoint_answers([more])
+    await store.checkpoint_answers([more])  # sent again: its part is there already
+    a1 = await store.get_message("a1")
+    assert (a1.content, a1.reasoning, a1.steps) == ("Hello wörld", "hm ok", ["searching"])
+    assert [m.content for m in await store.list_messages("c1")] == ["text q1", "Hello wörld"]
+    running = await store.streaming_answers(created_before=20.0)
+    assert {m.id: m.content for m in running} == {"a1": "Hello wörld", "a2": "Hi"}
+    # what the checkpoints added was not written into the answer's row
+    db = store.db
+    assert await db.fetchval("SELECT content FROM messages WHERE id = ?", "a1") == ""
+    # an answer whose stored text is not known is sent whole, and its parts go
+    await store.checkpoint_answers([Checkpoint("a2", "Hi there", "", ["x"], -1, -1)])
+    a2 = await store.get_message("a2")
+    assert (a2.content, a2.steps) == ("Hi there", ["x"])
+    # the end saves the answer whole; a checkpoint that comes after it adds nothing
+    await store.finish_answer("a1", Saved("Hello wörld!", "hm ok", "completed"))
+    await store.checkpoint_answers([Checkpoint("a1", " late", "", [], 13, 5)])
+    assert (await store.get_message("a1")).content == "Hello wörld!"
+    assert await db.fetchval("SELECT count(*) FROM answer_parts") == 0
+    # a running answer's parts go with its chat
+    await store.checkpoint_answers([Checkpoint("a2", "!", "", ["x"], 8, 0, steps_changed=False)])
+    assert (await store.get_message("a2")).content == "Hi there!"
+    assert await store.delete_chat("c2")
+    assert await db.fetchval("SELECT count(*) FROM answer_parts") == 0
 
 
 async def test_regenerate_deletes_the_answer_and_everything_after(store):

@@ -369,24 +369,27 @@ async def test_one_answer_the_store_refuses_never_holds_back_the_others(tmp_path
 
 
 async def refuse_content(url: str, word: str) -> None:
-    """Make the database itself refuse every answer whose text holds `word`: a trigger
-    in SQLite, a CHECK constraint in PostgreSQL (rows already there are left as they are)."""
+    """Make the database itself refuse every answer whose text holds `word`, saved
+    whole or in a checkpoint's part: triggers in SQLite, CHECK constraints in PostgreSQL
+    (rows already there are left as they are)."""
     if url.startswith("sqlite"):
         with contextlib.closing(sqlite3.connect(sqlite_path(url))) as db:
-            db.execute(
-                "CREATE TRIGGER refuse BEFORE UPDATE ON messages"
-                f" WHEN NEW.content LIKE '%{word}%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
-            )
+            for table, when in (("messages", "UPDATE"), ("answer_parts", "INSERT")):
+                db.execute(
+                    f"CREATE TRIGGER refuse_{table} BEFORE {when} ON {table}"
+                    f" WHEN NEW.content LIKE '%{word}%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                )
             db.commit()
         return
     import asyncpg
 
     conn = await asyncpg.connect(url)
     try:
-        await conn.execute(
-            f"ALTER TABLE messages ADD CONSTRAINT refuse CHECK (content NOT LIKE '%{word}%')"
-            " NOT VALID"
-        )
+        for table in ("messages", "answer_parts"):
+            await conn.execute(
+                f"ALTER TABLE {table} ADD CONSTRAINT refuse_{table}"
+                f" CHECK (content NOT LIKE '%{word}%') NOT VALID"
+            )
     finally:
         await conn.close()
 

@@ -75,12 +75,13 @@ class _Stored:
     """How much of a running answer the store holds after a checkpoint: the characters
     of its content and reasoning read, and the bytes (UTF-8) the store kept of them (a
     NUL is dropped, a lone surrogate replaced), after which the next checkpoint's
-    additions go."""
+    additions go; and how many progress lines it holds."""
 
     content: int = 0
     reasoning: int = 0
     kept_content: int = 0
     kept_reasoning: int = 0
+    steps: int = 0
 
     def rest(self, progress: Checkpoint) -> Checkpoint:
         """What of `progress` (all of the answer so far: it only grows) the store does
@@ -94,6 +95,7 @@ class _Stored:
             reasoning=progress.reasoning[self.reasoning :],
             content_from=self.kept_content,
             reasoning_from=self.kept_reasoning,
+            steps_changed=len(progress.steps) != self.steps,
         )
 
     def after(self, saved: Checkpoint) -> _Stored:
@@ -104,13 +106,14 @@ class _Stored:
             base.reasoning + len(saved.reasoning),
             base.kept_content + len(clean(saved.content).encode()),
             base.kept_reasoning + len(clean(saved.reasoning).encode()),
+            len(saved.steps),
         )
 
 
 NOTHING_STORED = _Stored()
 #: a checkpoint's outcome was lost (the store went away, or did not answer in time):
 #: the next one sends the answer whole
-NOT_KNOWN = _Stored(-1, -1, -1, -1)
+NOT_KNOWN = _Stored(-1, -1, -1, -1, -1)
 
 
 @dataclass(slots=True)

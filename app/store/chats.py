@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse
@@ -144,6 +145,19 @@ MIGRATIONS: dict[int, str | dict[str, str]] = {
     # 13: an answer cut at the model's output cap (llm.max_output_tokens)
     13: """
     ALTER TABLE messages ADD COLUMN truncated {bool};
+    """,
+    # 15: what the checkpoints of a running answer added, a row each (its text goes
+    # after the message's own and the parts before it, in the order of where each
+    # starts), folded into the message when the answer ends
+    15: """
+    CREATE TABLE answer_parts (
+        answer_id TEXT NOT NULL REFERENCES messages (id) ON DELETE CASCADE,
+        content_from {bigint} NOT NULL,
+        reasoning_from {bigint} NOT NULL,
+        content TEXT NOT NULL,
+        reasoning TEXT NOT NULL,
+        PRIMARY KEY (answer_id, content_from, reasoning_from)
+    );
     """,
 }
 
@@ -320,6 +334,8 @@ class ChatTables:
                 )
                 == 1
             )
+            if changed:  # the answer is whole in its row now
+                await tx.execute("DELETE FROM answer_parts WHERE answer_id = ?", answer_id)
             if changed and saved.usage is not None:
                 u = saved.usage
                 # what this save adds to the user's day (nothing when saved before)
@@ -359,30 +375,40 @@ class ChatTables:
 
     @mapped
     async def checkpoint_answers(self, progress: Sequence[Checkpoint]) -> None:
-        # what was added, appended to a row that holds what it went after (its size
-        # in bytes says so): the same checkpoint sent again (after a commit whose
-        # answer was lost) finds the row grown, and leaves it as it is; an answer
-        # whose stored size is not known (`content_from` -1) is sent whole
+        # what was added goes in a row of its own, keyed by where it starts: a row is
+        # written once, not rewritten with all of the answer's text at every
+        # checkpoint (so what a checkpoint costs the database does not grow with the
+        # answers' length), and the same checkpoint sent again (after a commit whose
+        # outcome was lost) finds its part there and adds nothing; an answer whose
+        # stored text is not known (`content_from` -1) is sent whole, its parts dropped
         json = self.db.dialect.json
-        added = [c for c in progress if c.content_from >= 0]
+        added = [c for c in progress if c.content_from >= 0 and (c.content or c.reasoning)]
+        steps = [c for c in progress if c.content_from >= 0 and c.steps_changed]
         whole = [c for c in progress if c.content_from < 0]
         async with self.db.transaction() as tx:
             if added:
                 await tx.executemany(
-                    "UPDATE messages SET content = content || ?, reasoning = reasoning || ?,"
-                    " steps = ? WHERE id = ? AND status = 'streaming'"
-                    " AND {content_octets} = ? AND {reasoning_octets} = ?",
+                    "INSERT INTO answer_parts"
+                    " (answer_id, content_from, reasoning_from, content, reasoning)"
+                    " SELECT ?, ?, ?, ?, ? WHERE EXISTS"
+                    " (SELECT 1 FROM messages WHERE id = ? AND status = 'streaming')"
+                    " ON CONFLICT DO NOTHING",
                     [
                         (
-                            c.content,
-                            c.reasoning,
-                            json(c.steps),
                             c.answer_id,
                             c.content_from,
                             c.reasoning_from,
+                            c.content,
+                            c.reasoning,
+                            c.answer_id,
                         )
                         for c in added
                     ],
+                )
+            if steps:
+                await tx.executemany(
+                    "UPDATE messages SET steps = ? WHERE id = ? AND status = 'streaming'",
+                    [(json(c.steps), c.answer_id) for c in steps],
                 )
             if whole:
                 await tx.executemany(
@@ -390,13 +416,46 @@ class ChatTables:
                     " AND status = 'streaming'",
                     [(c.content, c.reasoning, json(c.steps), c.answer_id) for c in whole],
                 )
+                await tx.executemany(
+                    "DELETE FROM answer_parts WHERE answer_id = ?", [(c.answer_id,) for c in whole]
+                )
+
+    async def _folded(self, messages: list[StoredMessage]) -> list[StoredMessage]:
+        """`messages` with what the checkpoints of the running answers among them
+        added (`checkpoint_answers`) after their text."""
+        running = [m.id for m in messages if m.status == "streaming"]
+        if not running:
+            return messages
+        rows = await self.db.fetch(
+            "SELECT answer_id, content, reasoning FROM answer_parts WHERE answer_id IN ("
+            + ", ".join("?" * len(running))
+            + ") ORDER BY answer_id, content_from, reasoning_from",
+            *running,
+        )
+        parts: dict[str, tuple[list[str], list[str]]] = {}
+        for answer_id, content, reasoning in rows:
+            texts = parts.setdefault(answer_id, ([], []))
+            texts[0].append(content)
+            texts[1].append(reasoning)
+        return [
+            replace(
+                m,
+                content=m.content + "".join(parts[m.id][0]),
+                reasoning=m.reasoning + "".join(parts[m.id][1]),
+            )
+            if m.id in parts
+            else m
+            for m in messages
+        ]
 
     @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
         row = await self.db.fetchrow(
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = ?", message_id
         )
-        return self._message(row) if row else None
+        if row is None:
+            return None
+        return (await self._folded([self._message(row)]))[0]
 
     @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
@@ -404,7 +463,7 @@ class ChatTables:
             f"SELECT {MESSAGE_SELECT} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
             chat_id,
         )
-        return [self._message(row) for row in rows]
+        return await self._folded([self._message(row) for row in rows])
 
     @mapped
     async def delete_turn(self, answer_id: str) -> bool:
@@ -475,4 +534,4 @@ class ChatTables:
             last,
             limit,
         )
-        return [self._message(row) for row in rows]
+        return await self._folded([self._message(row) for row in rows])

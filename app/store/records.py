@@ -251,7 +251,8 @@ class Checkpoint:
     `reasoning_from` bytes (UTF-8) of them, which the store holds already: a
     checkpoint then sends what was added, not the whole answer again. A `content_from`
     of -1 says the store's copy is not known (a checkpoint whose outcome was lost):
-    the answer is sent whole."""
+    the answer is sent whole. `steps_changed` False says the store holds these
+    progress lines already."""
 
     answer_id: str
     content: str
@@ -259,6 +260,7 @@ class Checkpoint:
     steps: list[str]
     content_from: int = 0
     reasoning_from: int = 0
+    steps_changed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
