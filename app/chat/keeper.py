@@ -89,13 +89,14 @@ class _Stored:
         marked to be written whole, when what the store holds is not known."""
         if self.content < 0:
             return replace(progress, content_from=-1, reasoning_from=-1)
-        return replace(
-            progress,
-            content=progress.content[self.content :],
-            reasoning=progress.reasoning[self.reasoning :],
-            content_from=self.kept_content,
-            reasoning_from=self.kept_reasoning,
-            steps_changed=len(progress.steps) != self.steps,
+        return Checkpoint(
+            progress.answer_id,
+            progress.content[self.content :],
+            progress.reasoning[self.reasoning :],
+            progress.steps,
+            self.kept_content,
+            self.kept_reasoning,
+            len(progress.steps) != self.steps,
         )
 
     def after(self, saved: Checkpoint) -> _Stored:
