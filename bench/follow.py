@@ -115,7 +115,7 @@ async def run(url: str, cluster: bool, others: int, rate: float, tokens: int) ->
                 journal_bytes += sum(
                     len(a) + len(orjson_dump(b)) for a, b in plan.journal.items()
                 ) + sum(
-                    len(w.answer_id) + len(orjson_dump(w.events))
+                    len(w.answer_id) + len(w.dump())
                     for w in plan.logs
                     if w.answer_id == followed.answer_id
                 )

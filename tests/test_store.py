@@ -149,6 +149,15 @@ async def test_checkpoints_add_parts_that_reads_fold_in_and_the_end_makes_whole(
     await store.checkpoint_answers([more])  # sent again: its part is there already
     a1 = await store.get_message("a1")
     assert (a1.content, a1.reasoning, a1.steps) == ("Hello wörld", "hm ok", ["searching"])
+    # a part of reasoning only, then progress lines only
+    await store.checkpoint_answers([Checkpoint("a1", "", "!", ["searching"], 12, 5, False)])
+    await store.checkpoint_answers([Checkpoint("a1", "", "", ["searching", "reading"], 12, 6)])
+    a1 = await store.get_message("a1")
+    assert (a1.content, a1.reasoning, a1.steps) == (
+        "Hello wörld",
+        "hm ok!",
+        ["searching", "reading"],
+    )
     assert [m.content for m in await store.list_messages("c1")] == ["text q1", "Hello wörld"]
     running = await store.streaming_answers(created_before=20.0)
     assert {m.id: m.content for m in running} == {"a1": "Hello wörld", "a2": "Hi"}
@@ -160,8 +169,8 @@ async def test_checkpoints_add_parts_that_reads_fold_in_and_the_end_makes_whole(
     a2 = await store.get_message("a2")
     assert (a2.content, a2.steps) == ("Hi there", ["x"])
     # the end saves the answer whole; a checkpoint that comes after it adds nothing
-    await store.finish_answer("a1", Saved("Hello wörld!", "hm ok", "completed"))
-    await store.checkpoint_answers([Checkpoint("a1", " late", "", [], 13, 5)])
+    await store.finish_answer("a1", Saved("Hello wörld!", "hm ok!", "completed"))
+    await store.checkpoint_answers([Checkpoint("a1", " late", "", [], 12, 6)])
     assert (await store.get_message("a1")).content == "Hello wörld!"
     assert await db.fetchval("SELECT count(*) FROM answer_parts") == 0
     # a running answer's parts go with its chat
@@ -169,6 +178,36 @@ async def test_checkpoints_add_parts_that_reads_fold_in_and_the_end_makes_whole(
     assert (await store.get_message("a2")).content == "Hi there!"
     assert await store.delete_chat("c2")
     assert await db.fetchval("SELECT count(*) FROM answer_parts") == 0
+
+
+async def test_a_checkpoint_waits_for_an_end_being_saved_and_adds_nothing_after_it(
+    postgres_url,
+):
+    """The end's save holds the answer's row; a checkpoint of it meanwhile waits, then
+    finds it ended: no part is left behind the whole answer."""
+    import asyncpg
+
+    async with open_store(postgres_url) as store:
+        await ask(store, "c1", "q1", "a1", 10.0)
+        conn = await asyncpg.connect(postgres_url)
+        try:
+            ending = conn.transaction()
+            await ending.start()
+            await conn.execute(
+                "UPDATE messages SET content = 'whole', status = 'completed' WHERE id = 'a1'"
+            )
+            await conn.execute("DELETE FROM answer_parts WHERE answer_id = 'a1'")
+            checkpoint = asyncio.create_task(
+                store.checkpoint_answers([Checkpoint("a1", "part", "", [], 0, 0, False)])
+            )
+            await asyncio.sleep(0.5)
+            assert not checkpoint.done()  # it waits for the end's save
+            await ending.commit()
+            await checkpoint
+        finally:
+            await conn.close()
+        assert await store.db.fetchval("SELECT count(*) FROM answer_parts") == 0
+        assert (await store.get_message("a1")).content == "whole"
 
 
 async def test_regenerate_deletes_the_answer_and_everything_after(store):

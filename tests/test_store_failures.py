@@ -494,6 +494,7 @@ class Written:
     def __init__(self, answer_id: str) -> None:
         self.answer_id = answer_id
         self.content = self.reasoning = ""
+        self.steps: list[str] = []
         self.seq = 0
 
     def add(self, content: str = "", reasoning: str = "") -> None:
@@ -502,7 +503,7 @@ class Written:
         self.seq += 1
 
     def progress(self) -> tuple[int, Checkpoint]:
-        return self.seq, Checkpoint(self.answer_id, self.content, self.reasoning, [])
+        return self.seq, Checkpoint(self.answer_id, self.content, self.reasoning, self.steps)
 
 
 def idle_keeper(store) -> AnswerKeeper:
@@ -552,6 +553,34 @@ async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_u
         await checkpoint_answers([sent[-1]])  # sent again
         row = await last_message(store, "grows")
         assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
+
+
+async def test_checkpoints_send_progress_lines_only_when_they_change(store_url):
+    store = open_store(store_url)
+    async with store:
+        await add_answers(store, ["steps"], time.time())
+        keeper = idle_keeper(store)
+        sent: list[Checkpoint] = []
+        checkpoint_answers = store.checkpoint_answers
+
+        async def recorded(progress):
+            sent.extend(progress)
+            await checkpoint_answers(progress)
+
+        store.checkpoint_answers = recorded
+        answer = Written("steps")
+        keeper.track(answer)
+        for text, steps in (
+            ("a", ["searching"]),
+            ("b", ["searching"]),
+            ("c", ["searching", "reading"]),
+        ):
+            answer.add(text)
+            answer.steps = steps
+            assert await keeper.checkpoint() == 1
+        assert [c.steps_changed for c in sent] == [True, False, True]
+        row = await last_message(store, "steps")
+        assert (row.content, row.steps) == ("abc", ["searching", "reading"])
 
 
 async def test_a_checkpoint_whose_outcome_was_lost_is_followed_by_the_whole_answer(store_url):

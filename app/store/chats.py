@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse
@@ -15,6 +17,12 @@ MESSAGE_COLUMNS = (
 )
 #: what is read of a message: the inserted columns, then what its end saved
 MESSAGE_SELECT = MESSAGE_COLUMNS + ", steps, error, model, truncated"
+#: `MESSAGE_SELECT` of `messages m`, then the text and reasoning of a running answer's
+#: parts, a row each (`_folded`): one statement reads a message and its parts alike
+FOLDED_SELECT = ", ".join(f"m.{c.strip()}" for c in MESSAGE_SELECT.split(","))
+FOLDED_SELECT += ", p.content, p.reasoning FROM {messages} m LEFT JOIN answer_parts p"
+FOLDED_SELECT += " ON m.status = 'streaming' AND p.answer_id = m.id"
+PARTS_ORDER = "p.content_from, p.reasoning_from"
 INSERT_MESSAGE = f"INSERT INTO messages ({MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 #: the columns of a message but its ids, as SQLite's first table has them: the rebuild
@@ -378,9 +386,13 @@ class ChatTables:
         # what was added goes in a row of its own, keyed by where it starts: a row is
         # written once, not rewritten with all of the answer's text at every
         # checkpoint (so what a checkpoint costs the database does not grow with the
-        # answers' length), and the same checkpoint sent again (after a commit whose
-        # outcome was lost) finds its part there and adds nothing; an answer whose
-        # stored text is not known (`content_from` -1) is sent whole, its parts dropped
+        # answers' length), and the same checkpoint sent again finds its part there
+        # and adds nothing; an answer whose stored text is not known (`content_from`
+        # -1) is sent whole, its parts dropped. A part is added only while its answer
+        # runs, under the lock of the answer's row: the end's save (or a whole
+        # rewrite) waits for the checkpoint, and its delete then sees the part, or
+        # the checkpoint waits for it, and finds the answer ended (PostgreSQL; one
+        # writer at a time in SQLite)
         json = self.db.dialect.json
         added = [c for c in progress if c.content_from >= 0 and (c.content or c.reasoning)]
         steps = [c for c in progress if c.content_from >= 0 and c.steps_changed]
@@ -390,8 +402,8 @@ class ChatTables:
                 await tx.executemany(
                     "INSERT INTO answer_parts"
                     " (answer_id, content_from, reasoning_from, content, reasoning)"
-                    " SELECT ?, ?, ?, ?, ? WHERE EXISTS"
-                    " (SELECT 1 FROM messages WHERE id = ? AND status = 'streaming')"
+                    " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM messages"
+                    " WHERE id = ? AND status = 'streaming'{for_update})"
                     " ON CONFLICT DO NOTHING",
                     [
                         (
@@ -420,50 +432,40 @@ class ChatTables:
                     "DELETE FROM answer_parts WHERE answer_id = ?", [(c.answer_id,) for c in whole]
                 )
 
-    async def _folded(self, messages: list[StoredMessage]) -> list[StoredMessage]:
-        """`messages` with what the checkpoints of the running answers among them
-        added (`checkpoint_answers`) after their text."""
-        running = [m.id for m in messages if m.status == "streaming"]
-        if not running:
-            return messages
-        rows = await self.db.fetch(
-            "SELECT answer_id, content, reasoning FROM answer_parts WHERE answer_id IN ("
-            + ", ".join("?" * len(running))
-            + ") ORDER BY answer_id, content_from, reasoning_from",
-            *running,
-        )
-        parts: dict[str, tuple[list[str], list[str]]] = {}
-        for answer_id, content, reasoning in rows:
-            texts = parts.setdefault(answer_id, ([], []))
-            texts[0].append(content)
-            texts[1].append(reasoning)
-        return [
-            replace(
-                m,
-                content=m.content + "".join(parts[m.id][0]),
-                reasoning=m.reasoning + "".join(parts[m.id][1]),
-            )
-            if m.id in parts
-            else m
-            for m in messages
-        ]
+    def _folded(self, rows: Sequence[Any]) -> list[StoredMessage]:
+        """The messages of rows of `FOLDED_SELECT` (a message's rows together, its parts
+        in order): a running answer with what its checkpoints added after its text."""
+        messages = []
+        for _, together in groupby(rows, key=itemgetter(0)):
+            first, *rest = together
+            message = self._message(first)
+            parts = [row for row in (first, *rest) if row[-2] is not None]
+            if parts:
+                message = replace(
+                    message,
+                    content=message.content + "".join(row[-2] for row in parts),
+                    reasoning=message.reasoning + "".join(row[-1] for row in parts),
+                )
+            messages.append(message)
+        return messages
 
     @mapped
     async def get_message(self, message_id: str) -> StoredMessage | None:
-        row = await self.db.fetchrow(
-            f"SELECT {MESSAGE_SELECT} FROM messages WHERE id = ?", message_id
+        rows = await self.db.fetch(
+            f"SELECT {FOLDED_SELECT.format(messages='messages')}"
+            f" WHERE m.id = ? ORDER BY {PARTS_ORDER}",
+            message_id,
         )
-        if row is None:
-            return None
-        return (await self._folded([self._message(row)]))[0]
+        return self._folded(rows)[0] if rows else None
 
     @mapped
     async def list_messages(self, chat_id: str) -> list[StoredMessage]:
         rows = await self.db.fetch(
-            f"SELECT {MESSAGE_SELECT} FROM messages WHERE chat_id = ? ORDER BY created_at, id",
+            f"SELECT {FOLDED_SELECT.format(messages='messages')} WHERE m.chat_id = ?"
+            f" ORDER BY m.created_at, m.id, {PARTS_ORDER}",
             chat_id,
         )
-        return await self._folded([self._message(row) for row in rows])
+        return self._folded(rows)
 
     @mapped
     async def delete_turn(self, answer_id: str) -> bool:
@@ -525,13 +527,17 @@ class ChatTables:
         limit: int = 100,
     ) -> list[StoredMessage]:
         at, last = after or (-1.0, "")
-        rows = await self.db.fetch(
-            f"SELECT {MESSAGE_SELECT} FROM messages WHERE status = 'streaming'"
+        page = (
+            "(SELECT * FROM messages WHERE status = 'streaming'"
             " AND created_at < ? AND (created_at, id) > (?, ?)"
-            " ORDER BY created_at, id LIMIT ?",
+            " ORDER BY created_at, id LIMIT ?)"
+        )
+        rows = await self.db.fetch(
+            f"SELECT {FOLDED_SELECT.format(messages=page)}"
+            f" ORDER BY m.created_at, m.id, {PARTS_ORDER}",
             created_before,
             at,
             last,
             limit,
         )
-        return await self._folded([self._message(row) for row in rows])
+        return self._folded(rows)

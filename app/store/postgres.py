@@ -35,9 +35,6 @@ POSTGRES = Dialect(
         "bool": "BOOLEAN",
         "json": "JSONB",
         "blob": "BYTEA",
-        # a row's text's size in bytes, read from its header (not decompressed)
-        "content_octets": "octet_length(content)",
-        "reasoning_octets": "octet_length(reasoning)",
     },
     numbered=True,
 )

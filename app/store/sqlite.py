@@ -41,8 +41,6 @@ SQLITE = Dialect(
         "bool": "INTEGER",
         "json": "TEXT",
         "blob": "BLOB",
-        "content_octets": "length(CAST(content AS BLOB))",
-        "reasoning_octets": "length(CAST(reasoning AS BLOB))",
     },
     json_text=True,
 )

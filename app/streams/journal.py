@@ -58,8 +58,8 @@ class Plan:
     pending: dict[str, list[Event]]
     logs: list[LogWrite] = field(default_factory=list)
     journal: dict[str, list[Event]] = field(default_factory=dict)
-    #: `journal` as the entry's fields hold it (`encode`)
-    fields: dict[str, bytes] = field(default_factory=dict)
+    #: `journal` as the entry's fields hold it, once encoded (`encode`)
+    fields: dict[str, bytes] | None = None
     trim: tuple[int, int] | None = None
     #: the journal is new: give it its expiry (the heartbeat keeps it from then on)
     expire_journal: bool = False
@@ -69,7 +69,7 @@ class Plan:
     def encode(self) -> dict[str, bytes]:
         """The journal entry's fields: each generation's events as JSON, encoded once
         (raises what encoding them raises)."""
-        if len(self.fields) != len(self.journal):
+        if self.fields is None:
             self.fields = {a: dump_events(batch) for a, batch in self.journal.items()}
         return self.fields
 
