@@ -512,6 +512,19 @@ def idle_keeper(store) -> AnswerKeeper:
     return AnswerKeeper(store, MemoryHub(replay_ttl=5), checkpoint_interval=10, sweep_interval=60)
 
 
+def recording(store) -> list[Checkpoint]:
+    """What `store` is sent to checkpoint from now on, in order, as it is sent."""
+    sent: list[Checkpoint] = []
+    checkpoint_answers = store.checkpoint_answers
+
+    async def recorded(progress):
+        sent.extend(progress)
+        await checkpoint_answers(progress)
+
+    store.checkpoint_answers = recorded
+    return sent
+
+
 async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_url):
     """A checkpoint sends each running answer only what was added since the last one,
     and the row holds the whole answer after each (a NUL, which the store drops, and
@@ -521,14 +534,7 @@ async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_u
     async with store:
         await add_answers(store, ["grows"], time.time())
         keeper = idle_keeper(store)
-        sent: list[Checkpoint] = []
-        checkpoint_answers = store.checkpoint_answers
-
-        async def recorded(progress):
-            sent.extend(progress)
-            await checkpoint_answers(progress)
-
-        store.checkpoint_answers = recorded
+        sent = recording(store)
         answer = Written("grows")
         keeper.track(answer)
         answer.add("Héllo", "think")
@@ -550,7 +556,7 @@ async def test_checkpoints_send_what_was_added_and_keep_the_whole_answer(store_u
         ]
         row = await last_message(store, "grows")
         assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
-        await checkpoint_answers([sent[-1]])  # sent again
+        await store.checkpoint_answers([sent[-1]])  # sent again
         row = await last_message(store, "grows")
         assert (row.content, row.reasoning) == ("Héllo world! 🙂", "thinking")
 
@@ -560,14 +566,7 @@ async def test_checkpoints_send_progress_lines_only_when_they_change(store_url):
     async with store:
         await add_answers(store, ["steps"], time.time())
         keeper = idle_keeper(store)
-        sent: list[Checkpoint] = []
-        checkpoint_answers = store.checkpoint_answers
-
-        async def recorded(progress):
-            sent.extend(progress)
-            await checkpoint_answers(progress)
-
-        store.checkpoint_answers = recorded
+        sent = recording(store)
         answer = Written("steps")
         keeper.track(answer)
         for text, steps in (
