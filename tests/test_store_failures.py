@@ -624,6 +624,57 @@ async def test_a_checkpoint_whose_outcome_was_lost_is_followed_by_the_whole_answ
         assert (row.content, row.reasoning) == ("one two three four", "abc")
 
 
+async def test_a_checkpoint_of_many_answers_goes_in_slices(store_url):
+    """A checkpoint of more running answers than a slice sends them in several store
+    calls, a slice each; one that ends meanwhile is not sent; a slice whose outcome
+    was lost leaves those before it saved and its own answers sent whole next time,
+    and those after it are sent then."""
+    store = open_store(store_url)
+    async with store:
+        ids = [f"many{n}" for n in range(7)]
+        await add_answers(store, ids, time.time())
+        keeper = idle_keeper(store)
+        keeper.checkpoint_slice = 2
+        calls: list[list[tuple[str, int]]] = []
+        checkpoint_answers = store.checkpoint_answers
+        lose_call = [-1]
+
+        async def sliced(progress):
+            calls.append([(c.answer_id, c.content_from) for c in progress])
+            if len(calls) == 1:
+                keeper.untrack("many3")  # ends while the first slice is written
+            await checkpoint_answers(progress)
+            if len(calls) == lose_call[0]:
+                raise Unavailable("the store went away")
+
+        store.checkpoint_answers = sliced
+        answers = [Written(answer_id) for answer_id in ids]
+        for answer in answers:
+            keeper.track(answer)
+            answer.add("one ")
+        assert await keeper.checkpoint() == 6
+        assert calls == [
+            [("many0", 0), ("many1", 0)],
+            [("many2", 0)],
+            [("many4", 0), ("many5", 0)],
+            [("many6", 0)],
+        ]
+        calls.clear()
+        for answer in answers:
+            answer.add("two")
+        lose_call[0] = 2
+        with pytest.raises(Unavailable):
+            await keeper.checkpoint()
+        assert calls == [[("many0", 4), ("many1", 4)], [("many2", 4), ("many4", 4)]]
+        calls.clear()
+        lose_call[0] = -1
+        assert await keeper.checkpoint() == 4
+        assert calls == [[("many2", -1), ("many4", -1)], [("many5", 4), ("many6", 4)]]
+        for answer_id in ids:
+            if answer_id != "many3":
+                assert (await last_message(store, answer_id)).content == "one two"
+
+
 async def test_errors_of_real_databases_read_as_what_they_are(tmp_path, postgres_url):
     """What each database really raises: a locked SQLite file or a PostgreSQL that is
     not there is "try again" (503); a statement that is wrong (a missing table, the

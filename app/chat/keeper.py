@@ -53,6 +53,10 @@ HOLD_SECONDS = KEEP_TRYING_SECONDS + 600.0
 HOLD_EVERY = 120.0
 SHUTDOWN_SECONDS = 10.0  # the last saves at shutdown, all of them together
 SAVES_AT_ONCE = 8
+#: running answers checkpointed in one store call (one transaction): a checkpoint of
+#: more goes in slices of this many, the loop let go between them, so how long a
+#: checkpoint holds the loop at a time does not grow with the number of streams
+CHECKPOINT_SLICE = 100
 #: a file still `indexing` this long after its upload, by a process no longer alive
 FILE_GRACE = 30.0
 LOST = "generation lost: its server process stopped"
@@ -142,6 +146,7 @@ class AnswerKeeper:
         self.hub = hub
         self.checkpoint_interval = checkpoint_interval
         self.sweep_interval = sweep_interval
+        self.checkpoint_slice = CHECKPOINT_SLICE
         self._running: dict[str, Running] = {}
         self._checkpointed: dict[str, int] = {}  # answer → seq last checkpointed
         #: answer → how much of its content and reasoning the store holds: the
@@ -293,14 +298,29 @@ class AnswerKeeper:
 
     async def checkpoint(self) -> int:
         """Save every running answer that grew since its last checkpoint, as far as it
-        got, in one transaction; then a hub that holds events back until they are
-        durable may let them through. Returns how many were saved. Each answer's row
-        is sent what was added to it since its last checkpoint, not all of it again:
-        what a checkpoint costs grows with the tokens since the last one, not with
-        the answers' lengths."""
+        got, `checkpoint_slice` answers a transaction; after each, a hub that holds
+        events back until they are durable may let that slice's through. Returns how
+        many were saved. Each answer's row is sent what was added to it since its last
+        checkpoint, not all of it again: what a checkpoint costs grows with the tokens
+        since the last one, not with the answers' lengths. A store that is away or
+        too slow ends the checkpoint at the slice it failed (raised); the slices
+        before it are saved."""
+        running = list(self._running)
+        size = self.checkpoint_slice
+        saved = 0
+        for start in range(0, len(running), size):
+            if start:
+                await asyncio.sleep(0)  # what else the loop has to do goes first
+            saved += await self._checkpoint_slice(running[start : start + size])
+        return saved
+
+    async def _checkpoint_slice(self, answer_ids: list[str]) -> int:
         due = []
         stored = self._stored
-        for answer_id, generation in list(self._running.items()):
+        for answer_id in answer_ids:
+            generation = self._running.get(answer_id)
+            if generation is None:
+                continue  # it ended since the checkpoint began
             seq, progress = generation.progress()
             if seq != self._checkpointed.get(answer_id, 0):
                 base = stored.get(answer_id, NOTHING_STORED)
