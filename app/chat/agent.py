@@ -438,8 +438,12 @@ class Researcher:
         ends = min(round_ends, job.deadline)
         try:
             async with asyncio.timeout_at(ends):
+                # the round's own deadline bounds it, not a short call's usual one: a
+                # slow local model given minutes a round may take them to plan
                 text = await self.llm.complete(
-                    [{"role": "user", "content": prompt}], max_tokens=PLAN_TOKENS
+                    [{"role": "user", "content": prompt}],
+                    max_tokens=PLAN_TOKENS,
+                    timeout=max(ends - loop.time(), 0.0),
                 )
         except AppError as exc:
             log.info("planning round %d failed: %s", n, exc.message)
