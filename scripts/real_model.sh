@@ -36,10 +36,10 @@ if ! [ -x "$venv/bin/python" ] || ! [ -f "$venv/.ready" ]; then
   rm -rf "$venv"
   "$python" -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >&2
-  # CPU only, native to this machine's processor but without AMX: on Sapphire Rapids the
-  # AMX matrix code segfaults at the first completion of this model (ggml-org/llama.cpp
-  # #20824); GCC keeps an explicit -mno-* over what -march=native turns on. The build's
-  # cmake comes from the machine
+  # CPU only, native to this machine's processor but without AMX: on a Xeon that has it
+  # (Sapphire Rapids or later) the AMX matrix code segfaults at the first completion of
+  # this model (ggml-org/llama.cpp #20824); GCC keeps an explicit -mno-* over what
+  # -march=native turns on. The build's cmake comes from the machine
   noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='$noamx' -DCMAKE_CXX_FLAGS='$noamx'" \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
