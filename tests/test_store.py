@@ -9,7 +9,15 @@ import time
 import pytest
 
 from app.errors import Conflict, Forbidden, NotFound, Unavailable
-from app.store import Chat, Checkpoint, Saved, StoredMessage, StoredResponse, open_store
+from app.store import (
+    Chat,
+    Checkpoint,
+    Saved,
+    StoredMessage,
+    StoredResponse,
+    StreamingAnswer,
+    open_store,
+)
 from app.store.postgres import MIGRATIONS as PG_MIGRATIONS
 from app.store.sqlite import MIGRATIONS as SQLITE_MIGRATIONS
 from tests.conftest import asyncio_run_in_thread
@@ -134,7 +142,9 @@ async def test_streaming_answers_are_found_for_the_sweeper(store):
     await ask(store, "c1", "q1", "a1", 10.0)
     await ask(store, "c2", "q2", "a2", 20.0)
     await store.finish_answer("a2", Saved("done", "", "completed"))
-    assert [m.id for m in await store.streaming_answers(created_before=15.0)] == ["a1"]
+    assert await store.streaming_answers(created_before=15.0) == [
+        StreamingAnswer("a1", "c1", 10.000001)
+    ]
     assert [m.id for m in await store.streaming_answers(created_before=5.0)] == []
 
 
@@ -160,7 +170,7 @@ async def test_checkpoints_add_parts_that_reads_fold_in_and_the_end_makes_whole(
     )
     assert [m.content for m in await store.list_messages("c1")] == ["text q1", "Hello wörld"]
     running = await store.streaming_answers(created_before=20.0)
-    assert {m.id: m.content for m in running} == {"a1": "Hello wörld", "a2": "Hi"}
+    assert [(await store.get_message(m.id)).content for m in running] == ["Hello wörld", "Hi"]
     # what the checkpoints added was not written into the answer's row
     db = store.db
     assert await db.fetchval("SELECT content FROM messages WHERE id = ?", "a1") == ""

@@ -409,8 +409,12 @@ class AnswerKeeper:
             ]
             if orphans:  # what Redis kept of them, read at once (they share journals)
                 logged = await self.hub.logged_many([answer.id for answer in orphans])
-                for answer in orphans:
-                    closed += await self._close_orphan(answer, logged[answer.id])
+                for orphan in orphans:
+                    # its text is read only now: the page lists every running answer
+                    # of the deployment, every few seconds, by id alone
+                    answer = await self.store.get_message(orphan.id)
+                    if answer is not None and answer.status == "streaming":
+                        closed += await self._close_orphan(answer, logged[orphan.id])
             if len(page) < SWEEP_PAGE:
                 break
             after = (page[-1].created_at, page[-1].id)

@@ -34,6 +34,7 @@ from .records import (
     StoredChunk,
     StoredMessage,
     StoredResponse,
+    StreamingAnswer,
     Usage,
     iso,
 )
@@ -130,9 +131,11 @@ class Store(abc.ABC):
         created_before: float,
         after: tuple[float, str] | None = None,
         limit: int = 100,
-    ) -> list[StoredMessage]:
+    ) -> list[StreamingAnswer]:
         """Answers still `streaming` that began before `created_before`, oldest first
-        (by `created_at`, then id), from after the (created_at, id) `after`."""
+        (by `created_at`, then id), from after the (created_at, id) `after`: their ids,
+        not their text (the sweeper reads every running answer's row every few
+        seconds, and `get_message` only an orphan's)."""
 
     @abc.abstractmethod
     async def delete_turn(self, answer_id: str) -> bool:

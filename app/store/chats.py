@@ -8,7 +8,7 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any
 
-from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse
+from .records import Chat, Checkpoint, Saved, StoredMessage, StoredResponse, StreamingAnswer
 from .sql import Connection, Database, mapped, not_yours, taken
 
 CHAT_COLUMNS = "id, user_id, title, focus_mode, created_at"
@@ -525,19 +525,15 @@ class ChatTables:
         created_before: float,
         after: tuple[float, str] | None = None,
         limit: int = 100,
-    ) -> list[StoredMessage]:
+    ) -> list[StreamingAnswer]:
         at, last = after or (-1.0, "")
-        page = (
-            "(SELECT * FROM messages WHERE status = 'streaming'"
-            " AND created_at < ? AND (created_at, id) > (?, ?)"
-            " ORDER BY created_at, id LIMIT ?)"
-        )
         rows = await self.db.fetch(
-            f"SELECT {FOLDED_SELECT.format(messages=page)}"
-            f" ORDER BY m.created_at, m.id, {PARTS_ORDER}",
+            "SELECT id, chat_id, created_at FROM messages WHERE status = 'streaming'"
+            " AND created_at < ? AND (created_at, id) > (?, ?)"
+            " ORDER BY created_at, id LIMIT ?",
             created_before,
             at,
             last,
             limit,
         )
-        return self._folded(rows)
+        return [StreamingAnswer(str(r[0]), str(r[1]), float(r[2])) for r in rows]

@@ -20,6 +20,7 @@ __all__ = [
     "Saved",
     "ShareRecord",
     "StoredChunk",
+    "StreamingAnswer",
     "StoredMessage",
     "StoredResponse",
     "Usage",
@@ -53,6 +54,16 @@ class StoredMessage:
     #: provider other than the default)
     model: str | None = None
     truncated: bool = False  # an answer cut at the model's output cap
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingAnswer:
+    """An answer still `streaming`, as the sweeper lists them: which it is, not what it
+    holds (its text is read only for one that turns out to be an orphan)."""
+
+    id: str
+    chat_id: str
+    created_at: float
 
 
 @dataclass(frozen=True, slots=True)
