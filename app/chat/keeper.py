@@ -412,8 +412,9 @@ class AnswerKeeper:
                 for orphan in orphans:
                     # its text is read only now: the page lists every running answer
                     # of the deployment, every few seconds, by id alone
+                    # (one ended meanwhile is left as it is: the save is only_streaming)
                     answer = await self.store.get_message(orphan.id)
-                    if answer is not None and answer.status == "streaming":
+                    if answer is not None:
                         closed += await self._close_orphan(answer, logged[orphan.id])
             if len(page) < SWEEP_PAGE:
                 break

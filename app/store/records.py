@@ -20,9 +20,9 @@ __all__ = [
     "Saved",
     "ShareRecord",
     "StoredChunk",
-    "StreamingAnswer",
     "StoredMessage",
     "StoredResponse",
+    "StreamingAnswer",
     "Usage",
 ]
 
