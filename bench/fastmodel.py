@@ -14,6 +14,11 @@ user message:
                 from every other: bench.soak checks no text of one lands in another)
     #wait=S     seconds before the first chunk
 
+A streamed request's `max_tokens` (or `max_completion_tokens`) cuts its answer there,
+ending with `finish_reason: "length"`, as a real model server does: the chat's title,
+asked for in a few tokens with the question's directives in its prompt, is not
+streamed as long as the answer was.
+
 Non-streamed requests (title, rewrite) get a short fixed answer at once, and
 `/v1/embeddings` requests a deterministic vector of `EMBEDDING_DIMS` floats per
 input at once (so a benchmark of uploads measures the server, not a model).
@@ -35,6 +40,7 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding
 PREFIX = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{"content":'
 SUFFIX = b'},"finish_reason":null}]}\n\n'
 DONE = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+CUT = DONE.replace(b'"finish_reason":"stop"', b'"finish_reason":"length"')
 BATCH = 64  # tokens per write when streaming as fast as it can
 EMBEDDING_DIMS = 1024  # as large as real embeddings models' (bge-m3, text-embedding-3-small…)
 
@@ -113,10 +119,13 @@ def embeddings(body: bytes) -> bytes:
 
 
 async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:
-    messages = orjson.loads(body)["messages"]
+    request = orjson.loads(body)
+    messages = request["messages"]
     last = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "").encode()
     script = {name.decode(): value.decode() for name, value in DIRECTIVE.findall(last)}
-    tokens = int(script.get("tokens") or 100)
+    asked = int(script.get("tokens") or 100)
+    most = request.get("max_completion_tokens") or request.get("max_tokens") or asked
+    tokens = min(asked, int(most))
     rate = float(script.get("rate") or 0)
     stamp = "stamp" in script
     word = script.get("tag", "")
@@ -139,7 +148,7 @@ async def stream(writer: asyncio.StreamWriter, body: bytes) -> None:
             payload = b"".join(token(name(i)) for i in range(first, min(first + BATCH, tokens)))
             writer.write(chunk(payload))
             await writer.drain()
-    writer.write(chunk(DONE) + b"0\r\n\r\n")
+    writer.write(chunk(DONE if tokens == asked else CUT) + b"0\r\n\r\n")
     await writer.drain()
 
 

@@ -122,6 +122,12 @@ def app_server(
         "APP_CONFIG": "",
         # the fast model's text has no <think> tags: its first answers are not held back
         "LLM_THINK_TAGS": "paired",
+        # answers as long as a bench asks (the fast model cuts a request at its max_tokens)
+        "LLM_MAX_OUTPUT_TOKENS": "0",
+        # the small model's calls (a new chat's title, after its answer) are given a
+        # short call's max_tokens, not a reasoning model's 4,096 more: the fast model
+        # would stream a title as long as the answer, beside the next answers
+        "LLM_SMALL_MODEL": "fast",
         **env,
     }
     if root != ROOT:  # its bytecode kept out of that checkout

@@ -137,3 +137,16 @@ async def test_the_collector_bench_pushes_every_token_to_its_reader():
     logs, per_token = await fill(3, 5)
     assert [len(log.events) for log in logs] == [5, 5, 5] and per_token > 0
     assert [e.data["data"] for e in logs[0].events] == [f" token{n}" for n in range(5)]
+
+
+async def test_the_fast_model_cuts_a_streamed_answer_at_its_max_tokens(fast_model):
+    """As a real model server does: a new chat's title, asked for in a few tokens with
+    the question's directives in its prompt, is not streamed as long as the answer."""
+    import httpx
+
+    ask = {"stream": True, "messages": [{"role": "user", "content": "#tokens=10"}]}
+    async with httpx.AsyncClient(base_url=fast_model + "/v1") as client:
+        cut = (await client.post("/chat/completions", json={**ask, "max_tokens": 3})).text
+        whole = (await client.post("/chat/completions", json=ask)).text
+    assert cut.count('"content":"tok') == 3 and '"finish_reason":"length"' in cut
+    assert whole.count('"content":"tok') == 10 and '"finish_reason":"stop"' in whole
