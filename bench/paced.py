@@ -13,13 +13,17 @@ httptools, orjson, no framework: the least any relay that reads the model does),
 the minimal relay (SDK raw lines + orjson + a plain streaming response: parses,
 saves nothing) and a byte passthrough (aiohttp, parses nothing). Figures are
 medians of `--runs`; each is also given as a ratio to the references (the bare
-relay's first), which survives a noisy machine.
+relay's first), which survives a noisy machine. Every target is started first and
+their runs interleaved, round by round (one run of each in turn), so that a drift of
+the machine's speed from one minute to the next falls on all of them alike; the last
+column is the median of each round's ratio to the bare relay's run of that round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -97,24 +101,26 @@ def cpu_split(pid: int) -> tuple[float, float]:
     return user, system
 
 
-async def measure(kind: str, url: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
+async def measure(
+    kind: str, url: str, pid: int, args: argparse.Namespace
+) -> tuple[float, float, int]:
+    """One run: the user and system µs of the target's CPU per token, and the tokens."""
     rate = 1000.0 / args.interval_ms
-    await run_streams(kind, url, 4, 20, rate)  # warm up: imports, connections, caches
-    users, systems, tokens = [], [], []
-    for _ in range(args.runs):
-        user0, sys0 = cpu_split(pid)
-        delivered = await run_streams(kind, url, args.streams, args.tokens, rate)
-        user1, sys1 = cpu_split(pid)
-        users.append((user1 - user0) / max(delivered, 1) * 1e6)
-        systems.append((sys1 - sys0) / max(delivered, 1) * 1e6)
-        tokens.append(delivered)
-    us = statistics.median(u + s for u, s in zip(users, systems, strict=True))
+    user0, sys0 = cpu_split(pid)
+    delivered = await run_streams(kind, url, args.streams, args.tokens, rate)
+    user1, sys1 = cpu_split(pid)
+    per = max(delivered, 1)
+    return (user1 - user0) / per * 1e6, (sys1 - sys0) / per * 1e6, delivered
+
+
+def summary(runs: list[tuple[float, float, int]]) -> dict[str, float]:
+    us = statistics.median(u + s for u, s, _ in runs)
     return {
         "us_per_token": round(us, 1),
-        "user_us": round(statistics.median(users), 1),
-        "system_us": round(statistics.median(systems), 1),
+        "user_us": round(statistics.median(u for u, _, _ in runs), 1),
+        "system_us": round(statistics.median(s for _, s, _ in runs), 1),
         "tokens_per_cpu_s": round(1e6 / us),
-        "tokens": min(tokens),
+        "tokens": min(t for _, _, t in runs),
     }
 
 
@@ -134,53 +140,57 @@ def main() -> None:
     )
     args = parser.parse_args()
     wanted = args.only.split(",")
-    results: dict[str, dict[str, float]] = {}
-    with fast_model() as model, tempfile.TemporaryDirectory() as tmp:
+    # every target is started first, and their runs interleaved, round by round: this
+    # VM's speed drifts by tens of per cent between minutes, and a target measured
+    # minutes after another would carry that drift into their ratio
+    targets: list[tuple[str, str, str, int]] = []  # (name, kind, url, pid)
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(fast_model())
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         if "bare" in wanted:
             port = free_port()
             cmd = [sys.executable, "-m", "bench.relay", "--bare", "--port", str(port)]
-            with process([*cmd, "--model-url", model + "/v1"], port, core="0") as bare:
-                results["bare"] = asyncio.run(
-                    measure("bare", f"http://127.0.0.1:{port}", bare.pid, args)
-                )
-                print("bare", results["bare"], flush=True)
+            bare = stack.enter_context(
+                process([*cmd, "--model-url", model + "/v1"], port, core="0")
+            )
+            targets.append(("bare", "bare", f"http://127.0.0.1:{port}", bare.pid))
         references = [kind for kind in ("passthrough", "relay") if kind in wanted]
         if references:
             port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "bench.relay",
-                "--port",
-                str(port),
-                "--model-url",
-                model + "/v1",
-            ]
-            with process(cmd, port, core="0") as relay:
-                for kind in references:
-                    results[kind] = asyncio.run(
-                        measure(kind, f"http://127.0.0.1:{port}", relay.pid, args)
-                    )
-                    print(kind, results[kind], flush=True)
+            cmd = [sys.executable, "-m", "bench.relay", "--port", str(port)]
+            relay = stack.enter_context(
+                process([*cmd, "--model-url", model + "/v1"], port, core="0")
+            )
+            for kind in references:
+                targets.append((kind, kind, f"http://127.0.0.1:{port}", relay.pid))
         for kind in ("sse", "ws", "openai"):
             if kind in wanted:
-                with app_server(model, tmp) as (url, pid):
-                    time.sleep(0.5)
-                    results[kind] = asyncio.run(measure(kind, url, pid, args))
-                    print(kind, results[kind], flush=True)
+                url, pid = stack.enter_context(app_server(model, tmp))
+                targets.append((kind, kind, url, pid))
         if "sse-redis" in wanted or "sse-2-workers" in wanted:
-            with redis_server() as redis_url:
-                if "sse-redis" in wanted:
-                    with app_server(model, tmp, REDIS_URL=redis_url) as (url, pid):
-                        time.sleep(0.5)
-                        results["sse-redis"] = asyncio.run(measure("sse", url, pid, args))
-                        print("sse-redis", results["sse-redis"], flush=True)
-                if "sse-2-workers" in wanted:
-                    two = {"WEB_CONCURRENCY": "2", "REDIS_URL": redis_url}
-                    with app_server(model, tmp, core="0,1", **two) as (url, pid):
-                        time.sleep(2.0)  # both workers up
-                        results["sse-2-workers"] = asyncio.run(measure("sse", url, pid, args))
-                        print("sse-2-workers", results["sse-2-workers"], flush=True)
+            redis_url = stack.enter_context(redis_server())
+            if "sse-redis" in wanted:
+                url, pid = stack.enter_context(app_server(model, tmp, REDIS_URL=redis_url))
+                targets.append(("sse-redis", "sse", url, pid))
+            if "sse-2-workers" in wanted:
+                two = {"WEB_CONCURRENCY": "2", "REDIS_URL": redis_url}
+                url, pid = stack.enter_context(app_server(model, tmp, core="0,1", **two))
+                targets.append(("sse-2-workers", "sse", url, pid))
+        time.sleep(2.0)  # every worker up
+        rate = 1000.0 / args.interval_ms
+        for _, kind, url, _ in targets:  # warm up: imports, connections, caches
+            asyncio.run(run_streams(kind, url, 4, 20, rate))
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name, *_ in targets}
+        for round_ in range(args.runs):
+            for name, kind, url, pid in targets:
+                runs[name].append(asyncio.run(measure(kind, url, pid, args)))
+                print(round_ + 1, name, [round(x, 1) for x in runs[name][-1]], flush=True)
+    results = {name: summary(taken) for name, taken in runs.items()}
+    if "bare" in runs:  # each round's ratio to the bare relay's run of the same round
+        bare_us = [u + s for u, s, _ in runs["bare"]]
+        for name, taken in runs.items():
+            ratios = [(u + s) / b for (u, s, _), b in zip(taken, bare_us, strict=True) if b]
+            results[name]["ratio_to_bare_by_round"] = [round(r, 2) for r in ratios]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "paced.json").write_bytes(
         orjson.dumps({"args": vars(args), "results": results}, option=orjson.OPT_INDENT_2)
@@ -193,14 +203,20 @@ def main() -> None:
     print(
         "| target | µs of server CPU per token (user + system) | tokens per CPU-second | "
         + " | ".join(f"× {kind}" for kind in references)
-        + " |"
+        + " | × bare, each round's |"
     )
-    print("|---|---:|---:|" + "---:|" * len(references))
+    print("|---|---:|---:|" + "---:|" * len(references) + "---:|")
     for kind, r in results.items():
         ratios = [f"{r['us_per_token'] / f:.2f}" if f else "—" for f in floors.values()]
+        by_round = r.get("ratio_to_bare_by_round")
+        rounds = (
+            f"{statistics.median(by_round):.2f} ({', '.join(f'{x:.2f}' for x in by_round)})"
+            if by_round
+            else "—"
+        )
         print(
             f"| {kind} | {r['us_per_token']} ({r['user_us']} + {r['system_us']}) "
-            f"| {r['tokens_per_cpu_s']:,} | " + " | ".join(ratios) + " |"
+            f"| {r['tokens_per_cpu_s']:,} | " + " | ".join(ratios) + f" | {rounds} |"
         )
 
 
