@@ -647,3 +647,22 @@ async def test_think_tags_paired_holds_nothing_back_and_open_left_out_splits_the
     assert got and got[0][0] == "reasoning"
     with pytest.raises(ConfigError):
         llm(model_url, fake_model.api_key, think_tags="sometimes")
+
+
+async def test_a_short_call_past_its_max_tokens_is_closed(model_url, fake_model):
+    """A model server that ignores `max_tokens` would stream a title as long as an
+    answer, holding a connection beside the answers: the call ends with what came up to
+    there, and its request is closed."""
+    fake_model.endless_replies.add("Name it")
+    client = llm(model_url, fake_model.api_key)
+    try:
+        title = await client.complete([{"role": "user", "content": "Name it"}], max_tokens=20)
+
+        async def closed() -> bool:
+            return fake_model.replies_closed == ["Name it"]
+
+        await wait_for(closed)
+    finally:
+        await client.aclose()
+    words = title.split()
+    assert words[:3] == ["word0", "word1", "word2"] and 20 <= len(words) < 100

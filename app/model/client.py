@@ -303,25 +303,37 @@ class LLMClient:
 
         Streamed, and read to its end: cancelling, or `timeout` passing, closes the
         request at once, and a server that stops when its client goes (llama.cpp's)
-        stops working on it — an abandoned call never runs on beside the answer."""
+        stops working on it — an abandoned call never runs on beside the answer. Nor
+        does one past its `max_tokens`: a server that ignores it (and streams a title
+        as long as an answer) is read no further than more pieces than that allows,
+        each at least a token, and the call ends there, as one cut at `max_tokens`."""
         client = self._require()
         name = call.get("model") or self.settings.effective_small_model
         body: dict[str, Any] = {"model": name, "messages": list(messages), "stream": True}
+        most = 0
         if max_tokens := call.get("max_tokens"):
             extra = REASONING_TOKENS if self.learned.reasons(name) else 0
-            body["max_tokens"] = max_tokens + extra
+            body["max_tokens"] = most = max_tokens + extra
         parts: list[str] = []
         apart = False
         usage: dict[str, Any] | None = None
+        pieces = 0
 
         def take(delta: Delta) -> None:
-            nonlocal apart, usage
+            nonlocal apart, usage, pieces
+            if decoder.done:
+                return  # past `max_tokens`: the rest of the read is not taken
             if delta.kind == "content":
                 parts.append(delta.text)
+                pieces += 1
             elif delta.kind == "reasoning":
                 apart = True
+                pieces += 1
             elif delta.kind == "usage":
                 usage = delta.usage
+            if most and pieces > most:  # the model went on past it: read no more
+                decoder.done = True
+                decoder.finish = "length"
 
         decoder = AnswerDecoder(take, Verbatim())
         with model_errors("model", self.host):

@@ -52,7 +52,9 @@ without `stream_options`, or not streamed) answer from `replies`: the first
 (substring, reply) whose substring is in the prompt; a callable reply is called
 with the prompt; streamed, the reply comes a word a chunk, cut at `max_tokens`
 words. `slow_replies` (substring → seconds) delays the answer to such a prompt; one
-whose client goes meanwhile is kept in `replies_closed` (its substring).
+whose client goes meanwhile is kept in `replies_closed` (its substring). A prompt with
+a substring of `endless_replies` is answered a word every 5 ms without end, its
+`max_tokens` ignored, until the client goes (then kept in `replies_closed` too).
 `listed` models, when set, are what `GET /v1/models` serves instead of `models`.
 Everything asked is kept in `requests`; every stream's end in `streams`
 `GET /v1/models` lists `models`.
@@ -118,6 +120,8 @@ class FakeModel:
     tool_ids_empty: bool = False
     slow_replies: dict[str, float] = field(default_factory=dict)
     replies_closed: list[str] = field(default_factory=list)
+    #: prompts answered word after word without end, `max_tokens` ignored
+    endless_replies: set[str] = field(default_factory=set)
     #: what `GET /v1/models` lists
     models: list[str] = field(default_factory=lambda: ["fake-chat", "fake-small"])
     overflow_empty: bool = False
@@ -145,6 +149,7 @@ class FakeModel:
         self.overflow_empty = False
         self.slow_replies.clear()
         self.replies_closed.clear()
+        self.endless_replies.clear()
         self.tool_stream_empty = self.drops_system = False
         self.tool_stream_error = self.tool_whole_error = None
         self.refused_parameters.clear()
@@ -344,8 +349,15 @@ class FakeModel:
     async def _short_stream(self, prompt: str, max_tokens: int | None) -> AsyncIterator[bytes]:
         """A short call's reply from `replies`, a word a chunk (`slow_replies` waits)."""
         slow = next((k for k in self.slow_replies if k in prompt), None)
+        endless = next((k for k in self.endless_replies if k in prompt), None)
         finished = False
         try:
+            if endless is not None:
+                slow = endless
+                yield _chunk({"role": "assistant", "content": ""})
+                for i in itertools.count():
+                    yield _chunk({"content": f"word{i} "})
+                    await asyncio.sleep(0.005)
             if self.reply_delay:
                 await asyncio.sleep(self.reply_delay)
             if slow is not None:
