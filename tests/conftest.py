@@ -158,6 +158,13 @@ def start_redis(port: int | None = None) -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture
+def hour_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rate limiter's windows an hour long for this test. They are fixed minutes:
+    calls either side of a minute's end fall in two windows, each under the limit."""
+    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     with start_redis() as url:

@@ -19,8 +19,7 @@ from tests.servers import processes, serve
 pytestmark = pytest.mark.anyio
 
 
-async def test_resumes_count_against_the_rate_limit(settings, fake_model, monkeypatch):
-    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)  # no minute's end between the calls
+async def test_resumes_count_against_the_rate_limit(settings, fake_model, hour_windows):
     limited = settings.replace(limits={"requests_per_minute": 3})
     with serve(create_app(limited)) as running:
         async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:
@@ -116,8 +115,7 @@ async def test_the_process_cap_answers_websocket_and_v1_in_their_shapes(settings
     assert "answering 1 questions already" in v1.json()["error"]["message"]
 
 
-async def test_websocket_resumes_count_against_the_rate_limit(settings, fake_model, monkeypatch):
-    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)  # no minute's end between the calls
+async def test_websocket_resumes_count_against_the_rate_limit(settings, fake_model, hour_windows):
     limited = settings.replace(limits={"requests_per_minute": 3})
     with serve(create_app(limited)) as running:
         async with httpx.AsyncClient(base_url=running.url, timeout=20, event_hooks=USER) as http:

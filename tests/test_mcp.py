@@ -192,11 +192,8 @@ async def test_deep_research_reports_each_step_as_progress(settings, fake_model,
 
 
 async def test_rate_limits_count_tool_calls_as_any_answer(
-    settings, fake_model, fake_search, monkeypatch
+    settings, fake_model, fake_search, hour_windows
 ):
-    # the limiter's windows are fixed minutes: two calls either side of a minute's end
-    # are in two windows, each under the limit; an hour's window makes that unlikely
-    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)
     with serve(create_app(settings.replace(limits={"requests_per_minute": 1}))) as server:
         async with session(server.url) as client:
             first = await client.call_tool("ask", {"question": RELEVANT_QUESTION})

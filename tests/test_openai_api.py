@@ -155,8 +155,7 @@ def test_errors_come_in_openais_shape(settings, fake_model, sections, call, erro
     assert set(body) >= {"message", "type", "code"} and body["message"]
 
 
-def test_too_many_requests_is_429_with_retry_after(settings, fake_model, monkeypatch):
-    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)  # no minute's end between the calls
+def test_too_many_requests_is_429_with_retry_after(settings, fake_model, hour_windows):
     with api(settings, limits={"requests_per_minute": 1}) as (_, base):
         client = openai.OpenAI(base_url=base, api_key="k", max_retries=0)
         client.chat.completions.create(model="deepSeek", messages=ask("q"))

@@ -195,9 +195,8 @@ async def test_requests_per_minute_per_client(settings, fake_model):
 
 
 async def test_rate_limit_is_shared_across_processes_through_redis(
-    settings, redis_url, fake_model, monkeypatch
+    settings, redis_url, fake_model, hour_windows
 ):
-    monkeypatch.setattr("app.auth.WINDOW_SECONDS", 3600)  # no minute's end between the calls
     shared = settings.replace(
         limits={"requests_per_minute": 3}, redis={"url": redis_url}, auth={"api_keys": KEYS}
     )
