@@ -521,9 +521,21 @@ class UI:
         more.click()
         dialog = self.page.get_by_role("dialog")
         self.see(dialog.get_by_text("Sources", exact=True), "the sources dialog")
+        # a user reads the dialog once it has opened: closing it while its opening
+        # transition runs can leave the page behind it inert (Headless UI 2.2)
+        self.wait_until(
+            lambda: dialog.evaluate("d => d.getAnimations({subtree: true}).length === 0"),
+            "the sources dialog to finish opening",
+        )
         titles = [p.strip() for p in dialog.locator("a > p:first-child").all_inner_texts()]
         self.page.keyboard.press("Escape")
         dialog.wait_for(state="hidden")
+        # the dialog marks the rest of the page inert while open, and clears it only once
+        # its closing transition ends
+        self.wait_until(
+            lambda: self.page.evaluate("document.querySelector('[inert]') === null"),
+            "the page behind the sources dialog to be usable again",
+        )
         return titles
 
 
