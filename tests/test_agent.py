@@ -581,17 +581,18 @@ async def test_an_empty_answer_to_a_long_prompt_is_sent_once_more_shorter(
     assert len(second["messages"][0]["content"]) < len(first["messages"][0]["content"]) * 0.7
 
 
-@pytest.mark.parametrize("empty", [True, False])
+@pytest.mark.parametrize("refusal", ["400", "empty", "closed"])
 async def test_a_question_longer_than_the_window_ends_with_an_error_naming_it(
-    settings, fake_model, fake_search, empty
+    settings, fake_model, fake_search, refusal
 ):
     fake_model.context_tokens = 2000
-    fake_model.overflow_empty = empty
+    fake_model.overflow_empty = refusal == "empty"  # llama.cpp's server
+    fake_model.overflow_closed = refusal == "closed"  # llama-cpp-python's
     events = await ask(settings, chat_body("why? " + CJK, focusMode="deepSeek"))
     error = events[-1]
     assert error.type == "error" and error.data["key"] == "STREAM_ERROR"
     assert "context window" in error.data["data"] and "empty" not in error.data["data"]
-    if not empty:
+    if refusal == "400":
         assert "2000 tokens" in error.data["data"]  # the window the model named
 
 

@@ -62,6 +62,7 @@ from .wire import (
     ToolMessage,
     ToolTurn,
     Verbatim,
+    nothing_back,
     split_think,
     tool_delta,
 )
@@ -162,6 +163,12 @@ class LLMClient:
                             break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
+                except ConnectionResetError as exc:
+                    if decoder.received:  # it broke off mid-answer
+                        raise
+                    # closed before a line of the answer came: llama-cpp-python's
+                    # server does so with a prompt longer than its window
+                    raise nothing_back() from exc
         ended = decoder.end()
         self.learned.answered(name, decoder)
         for delta in ended:
@@ -212,6 +219,12 @@ class LLMClient:
                                 break
                 except TimeoutError as exc:  # read straight from aiohttp: its read timeout
                     raise stalled(exc) from exc
+                except ConnectionResetError as exc:
+                    if decoder.received:  # it broke off mid-answer
+                        raise
+                    # closed before a line of the answer came: llama-cpp-python's
+                    # server does so with a prompt longer than its window
+                    raise nothing_back() from exc
 
     async def _listed(self) -> None:
         """Wait for the model list `probe` is reading, at most `LIST_SECONDS` (a

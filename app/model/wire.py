@@ -119,14 +119,19 @@ class AnswerDecoder:
         held nothing at all: an empty 200 is how llama.cpp's server answers a streamed
         prompt longer than its window."""
         if not self.received:
-            raise ContextTooLong(
-                "the model sent nothing back, as it does for a prompt longer than its"
-                " context window"
-            )
+            raise nothing_back()
         out = self.splitter.flush()
         if self.finish == "length":
             out.append(Delta("finish", "length"))
         return out
+
+
+def nothing_back() -> ContextTooLong:
+    """An answer that held nothing: how llama.cpp's server answers a streamed prompt
+    longer than its window (an empty 200; llama-cpp-python's closes the connection)."""
+    return ContextTooLong(
+        "the model sent nothing back, as it does for a prompt longer than its context window"
+    )
 
 
 def _decode_chunk(payload: bytes, splitter: ThinkSplitter, decoder: AnswerDecoder) -> list[Delta]:

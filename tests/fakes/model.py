@@ -38,7 +38,9 @@ assistant message by its id is refused 400, as OpenAI refuses it.
 OpenAI's 400 "maximum context length"; `context_tokens` does the same counting
 tokens as a tokenizer roughly would (a non-ASCII character one, four ASCII ones one).
 With `overflow_empty` a streamed request over either limit gets an empty 200
-instead, as llama.cpp's server answers it.
+instead, as llama.cpp's server answers it; with `overflow_closed`, a 200 whose
+connection closes before its body ends, as llama-cpp-python's server answers it (its
+stream raises after the head was sent).
 
 With `stream_options: {"include_usage": true}` a last chunk carries `usage`:
 prompt tokens are the words of the messages, completion tokens the chunks sent
@@ -125,6 +127,7 @@ class FakeModel:
     #: what `GET /v1/models` lists
     models: list[str] = field(default_factory=lambda: ["fake-chat", "fake-small"])
     overflow_empty: bool = False
+    overflow_closed: bool = False
     tool_stream_empty: bool = False
     tool_stream_error: int | None = None
     tool_whole_error: int | None = None
@@ -146,7 +149,7 @@ class FakeModel:
         self.embedding_delay = 0.0
         self.tool_error = None
         self.context_limit = self.context_tokens = None
-        self.overflow_empty = False
+        self.overflow_empty = self.overflow_closed = False
         self.slow_replies.clear()
         self.replies_closed.clear()
         self.endless_replies.clear()
@@ -225,6 +228,8 @@ class FakeModel:
         )
         if over and self.overflow_empty and body.get("stream"):
             return Response(b"", media_type="text/event-stream")
+        if over and self.overflow_closed and body.get("stream"):
+            return StreamingResponse(_broken(), media_type="text/event-stream")
         if self.context_limit is not None and len(prompt) > self.context_limit:
             return _error(
                 400,
@@ -584,3 +589,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+async def _broken() -> AsyncIterator[bytes]:
+    """A body that fails before its first byte: the server closes the connection."""
+    raise RuntimeError("Requested tokens exceed context window")
+    yield b""  # an async generator
