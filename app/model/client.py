@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar, Unpack, cast
 from urllib.parse import urlsplit
 
@@ -68,6 +68,22 @@ from .wire import (
 )
 
 log = logging.getLogger("app.llm")  # the model's log lines keep one name
+
+
+@contextlib.contextmanager
+def read_errors(decoder: AnswerDecoder) -> Iterator[None]:
+    """What reading an answer's body raises, said as what happened: a read timeout
+    (aiohttp's, read straight from it) is a stall; a connection closed before a line of
+    the answer came is the empty answer of a prompt longer than the model's window
+    (llama-cpp-python's server closes it so, where llama.cpp's sends an empty 200)."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise stalled(exc) from exc
+    except ConnectionResetError as exc:
+        if decoder.received:  # it broke off mid-answer
+            raise
+        raise nothing_back() from exc
 
 
 PROBE_SECONDS = 10.0
@@ -145,7 +161,7 @@ class LLMClient:
         with model_errors("model", self.host):
             async with self._open_stream(client, self._answer_body(messages, name)) as response:
                 chunks = body_reader(response)
-                try:
+                with read_errors(decoder):
                     async for data in chunks:
                         try:
                             done = decoder.feed(data)
@@ -161,14 +177,6 @@ class LLMClient:
                             if isinstance(chunks, StreamedResponse):
                                 chunks.finish()  # the connection may serve another
                             break
-                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
-                    raise stalled(exc) from exc
-                except ConnectionResetError as exc:
-                    if decoder.received:  # it broke off mid-answer
-                        raise
-                    # closed before a line of the answer came: llama-cpp-python's
-                    # server does so with a prompt longer than its window
-                    raise nothing_back() from exc
         ended = decoder.end()
         self.learned.answered(name, decoder)
         for delta in ended:
@@ -210,21 +218,13 @@ class LLMClient:
         socket. Cancelling is safe: it closes the upstream response."""
         with model_errors("model", self.host):
             async with self._open_stream(client, body) as response:
-                try:
+                with read_errors(decoder):
                     if isinstance(response, StreamedResponse):
                         await response.pump(decoder.feed)
                     else:
                         async for data in body_reader(response):
                             if decoder.feed(data):
                                 break
-                except TimeoutError as exc:  # read straight from aiohttp: its read timeout
-                    raise stalled(exc) from exc
-                except ConnectionResetError as exc:
-                    if decoder.received:  # it broke off mid-answer
-                        raise
-                    # closed before a line of the answer came: llama-cpp-python's
-                    # server does so with a prompt longer than its window
-                    raise nothing_back() from exc
 
     async def _listed(self) -> None:
         """Wait for the model list `probe` is reading, at most `LIST_SECONDS` (a

@@ -574,6 +574,12 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     )
 
 
+async def _broken() -> AsyncIterator[bytes]:
+    """A body that fails before its first byte: the server closes the connection."""
+    raise RuntimeError("Requested tokens exceed context window")
+    yield b""  # an async generator
+
+
 def main() -> None:
     """`python -m tests.fakes.model --port N`: serve the fake model on its own (benchmarks)."""
     import argparse
@@ -589,9 +595,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-async def _broken() -> AsyncIterator[bytes]:
-    """A body that fails before its first byte: the server closes the connection."""
-    raise RuntimeError("Requested tokens exceed context window")
-    yield b""  # an async generator
