@@ -556,6 +556,26 @@ async def test_an_empty_answer_is_taken_for_a_prompt_over_the_window(model_url, 
     assert "context window" in raised.value.message and "empty" not in raised.value.message
 
 
+@pytest.mark.parametrize("reader", ["stream", "answer"])
+@pytest.mark.parametrize("refusal", ["empty", "closed"])
+async def test_a_prompt_over_the_window_refused_in_a_200_is_said_so_by_both_readers(
+    model_url, fake_model, reader, refusal
+):
+    # llama.cpp's server answers an empty 200; llama-cpp-python's closes the connection
+    # after the head, before a line of the stream
+    fake_model.context_limit = 50
+    fake_model.overflow_empty = refusal == "empty"
+    fake_model.overflow_closed = refusal == "closed"
+    client = llm(model_url, fake_model.api_key)
+    content = "a question longer than the window " * 4
+    try:
+        with pytest.raises(ContextTooLong) as raised:
+            await (deltas(client, content) if reader == "stream" else answered(client, content))
+    finally:
+        await client.aclose()
+    assert "context window" in raised.value.message and "empty" not in raised.value.message
+
+
 async def first_text_comes_while_streaming(client: LLMClient, fake_model, content: str) -> bool:
     """Whether the answer's first text reaches the caller before the model sent it all
     (`#tokens=6`)."""
