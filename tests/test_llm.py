@@ -546,16 +546,6 @@ async def test_a_short_call_abandoned_closes_its_request(model_url, fake_model):
     assert fake_model.short_requests()[0]["stream"] is True
 
 
-async def test_an_empty_answer_is_taken_for_a_prompt_over_the_window(model_url, fake_model):
-    client = llm(model_url, fake_model.api_key)
-    try:
-        with pytest.raises(ContextTooLong) as raised:
-            await answered(client, "q #empty")
-    finally:
-        await client.aclose()
-    assert "context window" in raised.value.message and "empty" not in raised.value.message
-
-
 @pytest.mark.parametrize("reader", ["stream", "answer"])
 @pytest.mark.parametrize("refusal", ["empty", "closed"])
 async def test_a_prompt_over_the_window_refused_in_a_200_is_said_so_by_both_readers(
